@@ -1,0 +1,53 @@
+"""Causal self-attention with grouped-query heads, rotary positions and optional QK-norm.
+
+Shapes: B batch, T sequence, H query heads, K key/value heads (H % K == 0), D head_dim, C = H·D.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from model.init import init_std
+from model.layers import Linear
+from model.norms import build_norm
+from model.rope import apply_rope
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg, layer_id: int) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.kv_heads, cfg.head_dim
+        q_dim, kv_dim = cfg.n_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
+        std_in, std_out = init_std(cfg, "in", layer_id), init_std(cfg, "out", layer_id)
+        self.q_proj = Linear(cfg.dim, q_dim, cfg.bias, std_in)
+        self.k_proj = Linear(cfg.dim, kv_dim, cfg.bias, std_in)
+        self.v_proj = Linear(cfg.dim, kv_dim, cfg.bias, std_in)
+        self.o_proj = Linear(q_dim, cfg.dim, cfg.bias, std_out)  # writes to the residual stream
+        # QK-norm bounds the attention logits (Dehghani et al. 2023): per head over D as in Qwen3, with separate
+        # Q and K gains shared by all heads (so GQA needs nothing special); or over the whole projection as in OLMo 2.
+        self.qk_norm = cfg.qk_norm
+        if cfg.qk_norm == "head":
+            self.q_norm, self.k_norm = build_norm(cfg, cfg.head_dim), build_norm(cfg, cfg.head_dim)
+        elif cfg.qk_norm == "full":
+            self.q_norm, self.k_norm = build_norm(cfg, q_dim), build_norm(cfg, kv_dim)
+        # Set by model.probes to observe q and k (softmax saturation); None on the hot path.
+        self.probe = None
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if self.qk_norm == "full":  # before the head split and before RoPE, as in OLMo 2
+            q, k = self.q_norm(q), self.k_norm(k)
+        q_BTHD = q.view(B, T, self.n_heads, self.head_dim)
+        k_BTKD = k.view(B, T, self.n_kv_heads, self.head_dim)
+        if self.qk_norm == "head":  # per head, before RoPE, as in Qwen3
+            q_BTHD, k_BTKD = self.q_norm(q_BTHD), self.k_norm(k_BTKD)
+        q_BHTD = apply_rope(q_BTHD.transpose(1, 2), cos, sin)
+        k_BKTD = apply_rope(k_BTKD.transpose(1, 2), cos, sin)
+        v_BKTD = v.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        if self.probe is not None:
+            self.probe(q_BHTD, k_BKTD)
+        y_BHTD = F.scaled_dot_product_attention(q_BHTD, k_BKTD, v_BKTD, is_causal=True,
+                                                enable_gqa=self.n_kv_heads != self.n_heads)
+        return self.o_proj(y_BHTD.transpose(1, 2).reshape(B, T, -1))

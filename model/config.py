@@ -1,0 +1,167 @@
+"""ModelConfig: every architectural choice of a normlab model as one named, validated field.
+
+Nothing in `model/` keys off a model's name: a preset is only a set of field values, and every
+behavioural difference between Llama, Qwen3, OLMo 2, GPT-2 and the original Transformer is one of
+the fields below.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+NORM_KINDS = ("rmsnorm", "layernorm")
+NORM_CASTS = ("llama", "gemma")
+PLACEMENTS = ("pre", "post", "sandwich", "output")
+QK_NORMS = ("none", "head", "full")
+FINAL_NORMS = ("auto", True, False)
+INITS = ("normal", "scaled", "depth", "zero")
+KERNELS = ("auto", "triton", "torch")
+
+# Structure only; sizes always come from overrides (or the small defaults below).
+PRESETS: dict[str, dict[str, Any]] = {
+    # Llama 2/3: pre-norm RMSNorm, no QK-norm, untied embeddings, no biases.
+    "llama": dict(norm="rmsnorm", placement="pre", qk_norm="none", bias=False, norm_cast="llama"),
+    # Qwen3: Llama plus an RMSNorm over head_dim on every query and key head, before RoPE.
+    "qwen3": dict(norm="rmsnorm", placement="pre", qk_norm="head", bias=False, norm_cast="llama"),
+    # OLMo 2: norms on the sublayer outputs (x + N(f(x))) and QK-norm over the whole projection;
+    # RMSNorm multiplies by its gain in fp32 before casting.
+    "olmo2": dict(norm="rmsnorm", placement="output", qk_norm="full", bias=False, norm_cast="gemma"),
+    # GPT-2: pre-norm LayerNorm with biases, tied embeddings.
+    "gpt2": dict(norm="layernorm", placement="pre", qk_norm="none", bias=True, tie_embeddings=True),
+    # The original Transformer (Vaswani et al. 2017) / BERT: post-norm LayerNorm.
+    "post": dict(norm="layernorm", placement="post", qk_norm="none", bias=True),
+}
+
+
+def _check_choice(name: str, value: Any, valid: tuple) -> None:
+    if value not in valid:
+        raise ValueError(f"ModelConfig.{name}={value!r} is not valid; choose one of {list(valid)}")
+
+
+def _check_positive(name: str, value: Any) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"ModelConfig.{name}={value!r} must be a positive integer")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    """The architecture of a decoder-only Transformer. Frozen: derive new configs with `replace`."""
+
+    vocab_size: int = 8192
+    dim: int = 256
+    n_layers: int = 4
+    n_heads: int = 8
+    n_kv_heads: int | None = None  # None: same as n_heads (multi-head attention)
+    ffn_dim: int | None = None  # None: SwiGLU's 8/3·dim rounded up to a multiple of 64
+    max_seq_len: int = 256
+    rope_theta: float = 10000.0
+    tie_embeddings: bool = False
+    bias: bool = False  # biases in linear layers and in LayerNorm
+    norm: str = "rmsnorm"
+    norm_eps: float = 1e-5
+    norm_offset: bool = False  # Gemma-style gain: stored as w, applied as (1 + w)
+    norm_cast: str = "llama"
+    placement: str = "pre"
+    qk_norm: str = "none"
+    final_norm: str | bool = "auto"  # auto: whatever the placement needs
+    init: str = "normal"
+    init_std: float = 0.02
+    kernels: str = "auto"  # which norm implementation runs: see model/kernels
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "dim", "n_layers", "n_heads", "max_seq_len"):
+            _check_positive(name, getattr(self, name))
+        if self.n_kv_heads is not None:
+            _check_positive("n_kv_heads", self.n_kv_heads)
+        if self.ffn_dim is not None:
+            _check_positive("ffn_dim", self.ffn_dim)
+        _check_choice("norm", self.norm, NORM_KINDS)
+        _check_choice("norm_cast", self.norm_cast, NORM_CASTS)
+        _check_choice("placement", self.placement, PLACEMENTS)
+        _check_choice("qk_norm", self.qk_norm, QK_NORMS)
+        _check_choice("final_norm", self.final_norm, FINAL_NORMS)
+        _check_choice("init", self.init, INITS)
+        _check_choice("kernels", self.kernels, KERNELS)
+        if self.dim % self.n_heads:
+            raise ValueError(f"ModelConfig.dim={self.dim} must be divisible by n_heads={self.n_heads}")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim={self.head_dim} (dim/n_heads) must be even for rotary embeddings")
+        if self.n_heads % self.kv_heads:
+            raise ValueError(
+                f"ModelConfig.n_heads={self.n_heads} must be a multiple of n_kv_heads={self.kv_heads} (GQA groups)"
+            )
+        if self.norm_eps <= 0 or self.init_std <= 0 or self.rope_theta <= 0:
+            raise ValueError("ModelConfig.norm_eps, init_std and rope_theta must be positive")
+        if self.norm_offset and self.norm != "rmsnorm":
+            raise ValueError("ModelConfig.norm_offset=True is only defined for norm='rmsnorm' (Gemma-style gain)")
+
+    # ---- derived sizes -------------------------------------------------------------------------
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads if self.n_kv_heads is not None else self.n_heads
+
+    @property
+    def hidden_dim(self) -> int:
+        """SwiGLU width: given, or 8/3·dim rounded up to a multiple of 64 (keeps FLOPs ≈ a 4·dim GELU MLP)."""
+        if self.ffn_dim is not None:
+            return self.ffn_dim
+        return 64 * -(-(8 * self.dim // 3) // 64)
+
+    # ---- constructors --------------------------------------------------------------------------
+    @classmethod
+    def preset(cls, name: str, **overrides: Any) -> "ModelConfig":
+        """A family's structure (see PRESETS) with sizes and any other field taken from `overrides`."""
+        if name not in PRESETS:
+            raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
+        unknown = set(overrides) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise ValueError(f"unknown ModelConfig field(s) {sorted(unknown)}; valid: {[f.name for f in dataclasses.fields(cls)]}")
+        return cls(**{**PRESETS[name], **overrides})
+
+    def replace(self, **changes: Any) -> "ModelConfig":
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    # ---- accounting (from the config, so it is right even when parameters are sharded) ----------
+    def num_params(self, include_embeddings: bool = True) -> int:
+        """Parameter count computed from the config; equals `sum(p.numel())` of an unsharded model."""
+        d, hd, L = self.dim, self.head_dim, self.n_layers
+        q, kv = self.n_heads * hd, self.kv_heads * hd
+        b = 1 if self.bias else 0
+        attn = d * (q + 2 * kv) + q * d + b * (q + 2 * kv + d)
+        mlp = 3 * d * self.hidden_dim + b * (2 * self.hidden_dim + d)
+        norm_params = 2 * d if (self.norm == "layernorm" and self.bias) else d
+        per_block_norms = {"pre": 2, "post": 2, "output": 2, "sandwich": 4}[self.placement] * norm_params
+        qk = {"none": 0, "head": 2 * hd, "full": q + kv}[self.qk_norm]
+        if self.norm == "layernorm" and self.bias:
+            qk *= 2
+        blocks = L * (attn + mlp + per_block_norms + qk)
+        final = norm_params if self.has_final_norm else 0
+        emb = self.vocab_size * d
+        head = 0 if self.tie_embeddings else self.vocab_size * d
+        total = blocks + final + emb + head
+        return total if include_embeddings else total - emb
+
+    @property
+    def has_final_norm(self) -> bool:
+        if self.final_norm == "auto":
+            from model.residual import PLACEMENTS as placements  # the placement knows whether it needs one
+
+            return placements[self.placement].needs_final_norm
+        return bool(self.final_norm)
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token: 6·N (non-embedding matmuls, forward + backward) plus causal attention.
+
+        The attention term is 6·L·T·dim (QKᵀ and AV, 2 FLOPs per multiply-add, ×3 for backward, halved by
+        the causal mask), as in the PaLM appendix. N excludes the embedding lookup but includes the LM head.
+        """
+        n_matmul = self.num_params(include_embeddings=False) if not self.tie_embeddings else self.num_params()
+        return 6.0 * n_matmul + 6.0 * self.n_layers * seq_len * self.dim

@@ -1,0 +1,34 @@
+"""Rotary position embeddings (Su et al. 2021) in Hugging Face's rotate-half layout.
+
+Each head's features are split into a first and a second half that rotate as pairs (i, i + D/2), as in
+`transformers`' Llama, Qwen3 and OLMo 2, so their checkpoints map onto ours with no permutation. (The
+interleaved layout of the original paper pairs (2i, 2i+1); mixing the two silently scrambles exported models.)
+"""
+from __future__ import annotations
+
+import torch
+
+
+def rope_cos_sin(seq_len: int, head_dim: int, theta: float, device: torch.device | None = None,
+                 start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin tables of shape [seq_len, head_dim] (fp32) for positions start … start+seq_len-1.
+
+    Computed per call rather than stored: it is T·D/2 multiplies, and a buffer would need re-creating for
+    models built on the meta device.
+    """
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.int64).float() / head_dim))
+    pos = torch.arange(start, start + seq_len, device=device, dtype=torch.float32)
+    angles = torch.outer(pos, inv_freq)
+    emb = torch.cat((angles, angles), dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [B, H, T, D] by position; cos/sin are [T, D] and broadcast over batch and heads."""
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    return x * cos + rotate_half(x) * sin

@@ -1,0 +1,227 @@
+"""Invariants of the model's parts: placements, attention, init, config validation, import boundaries."""
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from model import ModelConfig, Transformer
+from model.attention import Attention
+from model.init import init_std
+from model.residual import PLACEMENTS
+from model.rope import rope_cos_sin
+from tests.model_helpers import tiny_config
+
+FORMULAS = {  # the one line of math each placement must compute, written independently of residual.py
+    "pre": lambda p, x, f: x + f(p.norm_in(x)),
+    "post": lambda p, x, f: p.norm_out(x + f(x)),
+    "sandwich": lambda p, x, f: x + p.norm_out(f(p.norm_in(x))),
+    "output": lambda p, x, f: x + p.norm_out(f(x)),
+}
+
+
+def _randomize(module: torch.nn.Module) -> None:
+    with torch.no_grad():
+        for p in module.parameters():
+            p.normal_()
+
+
+@pytest.mark.parametrize("norm", ["rmsnorm", "layernorm"])
+@pytest.mark.parametrize("name", sorted(PLACEMENTS))
+def test_placement_equals_its_formula(name, norm):
+    assert set(FORMULAS) == set(PLACEMENTS), "a new placement needs its formula here"
+    torch.manual_seed(0)
+    placement = PLACEMENTS[name](tiny_config(norm=norm, kernels="torch"))
+    _randomize(placement)
+    lin = torch.nn.Linear(32, 32)
+    x = torch.randn(2, 5, 32) * 4
+    assert torch.allclose(placement(x, lin), FORMULAS[name](placement, x, lin), atol=1e-6)
+
+    # The deferred form (residual add fused into the next norm) is the same computation.
+    pending = torch.randn(2, 5, 32)
+    stream, pend = placement.forward_deferred(x, pending, lin)
+    got = stream if pend is None else stream + pend
+    assert torch.allclose(got, placement(x + pending, lin), atol=1e-5)
+
+
+def test_final_norm_is_a_property_of_the_placement():
+    assert {n: p.needs_final_norm for n, p in PLACEMENTS.items()} == {
+        "pre": True, "post": False, "sandwich": True, "output": True}
+    assert Transformer(tiny_config(placement="post")).norm is None
+    assert Transformer(tiny_config(placement="post", final_norm=True)).norm is not None
+    assert Transformer(tiny_config(placement="pre", final_norm=False)).norm is None
+
+
+def test_block_forward_equals_deferred_forward():
+    torch.manual_seed(0)
+    for placement in PLACEMENTS:
+        model = Transformer(tiny_config(placement=placement, kernels="torch"))
+        x = torch.randn(2, 8, 32)
+        cos, sin = rope_cos_sin(8, model.cfg.head_dim, model.cfg.rope_theta)
+        plain = x
+        for layer in model.layers:
+            plain = layer(plain, cos, sin)
+        stream, pending = x, None
+        for layer in model.layers:
+            stream, pending = layer.forward_deferred(stream, pending, cos, sin)
+        deferred = stream if pending is None else stream + pending
+        assert torch.allclose(plain, deferred, atol=1e-5), placement
+
+
+@pytest.mark.parametrize("qk_norm", ["none", "head", "full"])
+def test_gqa_equals_mha_with_repeated_kv(qk_norm):
+    torch.manual_seed(0)
+    gqa_cfg = tiny_config(n_heads=4, n_kv_heads=2, qk_norm=qk_norm, kernels="torch")
+    mha_cfg = gqa_cfg.replace(n_kv_heads=4)
+    gqa, mha = Attention(gqa_cfg, 0), Attention(mha_cfg, 0)
+    _randomize(gqa)
+    D, rep = gqa_cfg.head_dim, 2
+    with torch.no_grad():
+        mha.q_proj.weight.copy_(gqa.q_proj.weight)
+        mha.o_proj.weight.copy_(gqa.o_proj.weight)
+        for name in ("k_proj", "v_proj"):  # kv head j serves query heads 2j and 2j+1
+            w = getattr(gqa, name).weight.view(2, D, -1)
+            getattr(mha, name).weight.copy_(w.repeat_interleave(rep, dim=0).reshape(4 * D, -1))
+        if qk_norm == "head":
+            mha.q_norm.weight.copy_(gqa.q_norm.weight)
+            mha.k_norm.weight.copy_(gqa.k_norm.weight)
+        elif qk_norm == "full":  # repeating K's features leaves its RMS unchanged; its gain is repeated with them
+            mha.q_norm.weight.copy_(gqa.q_norm.weight)
+            mha.k_norm.weight.copy_(gqa.k_norm.weight.view(2, D).repeat_interleave(rep, dim=0).flatten())
+    x = torch.randn(2, 7, 32)
+    cos, sin = rope_cos_sin(7, D, 10000.0)
+    assert torch.allclose(gqa(x, cos, sin), mha(x, cos, sin), atol=1e-5)
+
+
+def test_attention_matches_explicit_softmax():
+    torch.manual_seed(0)
+    cfg = tiny_config(n_kv_heads=4, kernels="torch")
+    attn = Attention(cfg, 0)
+    x = torch.randn(1, 6, 32)
+    cos, sin = rope_cos_sin(6, cfg.head_dim, cfg.rope_theta)
+    from model.rope import apply_rope
+
+    q = apply_rope(attn.q_proj(x).view(1, 6, 4, 8).transpose(1, 2), cos, sin)
+    k = apply_rope(attn.k_proj(x).view(1, 6, 4, 8).transpose(1, 2), cos, sin)
+    v = attn.v_proj(x).view(1, 6, 4, 8).transpose(1, 2)
+    scores = (q @ k.transpose(-1, -2)) / math.sqrt(8)
+    scores = scores.masked_fill(torch.triu(torch.ones(6, 6, dtype=torch.bool), 1), float("-inf"))
+    y = (scores.softmax(-1) @ v).transpose(1, 2).reshape(1, 6, 32)
+    assert torch.allclose(attn(x, cos, sin), attn.o_proj(y), atol=1e-6)
+
+
+WIDE = dict(vocab_size=64, dim=1024, n_layers=6, n_heads=8, ffn_dim=1024, max_seq_len=8)
+
+
+@pytest.mark.parametrize("scheme", ["normal", "scaled", "depth", "zero"])
+def test_init_statistics(scheme):
+    torch.manual_seed(0)
+    cfg = ModelConfig(**WIDE, init=scheme, init_std=0.02)
+    model = Transformer(cfg)
+    L = cfg.n_layers
+    for l, layer in enumerate(model.layers):
+        target = {"normal": 0.02, "scaled": 0.02 / math.sqrt(2 * L), "depth": 0.02 / math.sqrt(2 * (l + 1)),
+                  "zero": 0.0}[scheme]
+        assert init_std(cfg, "out", l) == pytest.approx(target)
+        for w in (layer.attn.o_proj.weight, layer.mlp.down_proj.weight):
+            if target == 0:
+                assert torch.count_nonzero(w) == 0
+            else:
+                assert abs(w.std().item() - target) <= 0.1 * target
+        assert abs(layer.attn.q_proj.weight.std().item() - 0.02) <= 0.002
+        for norm in (layer.attn_res.norm_in, layer.mlp_res.norm_in):
+            assert torch.equal(norm.weight, torch.ones_like(norm.weight))
+    assert abs(model.tok_embeddings.weight.std().item() - 0.02) <= 0.002
+
+
+def test_init_biases_zero_and_offset_gains_zero():
+    m = Transformer(tiny_config(bias=True, norm="layernorm"))
+    for name, p in m.named_parameters():
+        if name.endswith("bias"):
+            assert torch.count_nonzero(p) == 0, name
+    m = Transformer(tiny_config(norm_offset=True))
+    assert all(torch.count_nonzero(p) == 0 for n, p in m.named_parameters() if "norm" in n)
+
+
+def test_init_is_deterministic_and_works_on_meta_device():
+    cfg = tiny_config(init="depth", qk_norm="head")
+    torch.manual_seed(7)
+    a = Transformer(cfg).state_dict()
+    torch.manual_seed(7)
+    b = Transformer(cfg).state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+    with torch.device("meta"):
+        meta = Transformer(cfg)
+    assert all(p.is_meta for p in meta.parameters())
+    meta.to_empty(device="cpu")
+    torch.manual_seed(7)
+    meta.init_weights()
+    c = meta.state_dict()
+    assert all(torch.equal(a[k], c[k]) for k in a)
+
+
+@pytest.mark.parametrize("field, value, fragment", [
+    ("placement", "middle", "placement='middle'"),
+    ("norm", "batchnorm", "['rmsnorm', 'layernorm']"),
+    ("qk_norm", "yes", "['none', 'head', 'full']"),
+    ("init", "xavier", "'normal', 'scaled', 'depth', 'zero'"),
+    ("final_norm", "maybe", "final_norm='maybe'"),
+    ("n_kv_heads", 3, "n_kv_heads=3"),
+    ("dim", 30, "dim=30"),
+    ("vocab_size", 0, "vocab_size=0"),
+    ("kernels", "cuda", "kernels='cuda'"),
+])
+def test_config_errors_name_the_value(field, value, fragment):
+    with pytest.raises(ValueError) as err:
+        tiny_config(**{field: value})
+    assert fragment in str(err.value)
+
+
+def test_presets_and_overrides():
+    cfg = ModelConfig.preset("qwen3", dim=64, n_heads=4)
+    assert (cfg.placement, cfg.norm, cfg.qk_norm, cfg.dim) == ("pre", "rmsnorm", "head", 64)
+    assert ModelConfig.preset("olmo2").placement == "output"
+    assert ModelConfig.preset("olmo2").qk_norm == "full"
+    assert ModelConfig.preset("gpt2").norm == "layernorm"
+    assert ModelConfig.preset("post").placement == "post"
+    with pytest.raises(ValueError, match="unknown preset 'gpt5'"):
+        ModelConfig.preset("gpt5")
+    with pytest.raises(ValueError, match="widht"):
+        ModelConfig.preset("llama", widht=3)
+    with pytest.raises(Exception):
+        cfg.dim = 3  # frozen
+
+
+def test_seq_len_above_max_is_a_clear_error():
+    model = Transformer(tiny_config(max_seq_len=8))
+    with pytest.raises(ValueError, match="max_seq_len=8"):
+        model(torch.zeros(1, 9, dtype=torch.long))
+
+
+def test_model_imports_no_framework():
+    code = (
+        "import sys, model, model.hf_compat, model.kernels\n"
+        "bad = [m for m in sys.modules if m.split('.')[0] in ('lightning', 'pytorch_lightning', 'deepspeed',"
+        " 'data', 'training', 'transformers')]\n"
+        "assert not bad, bad\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_tiny_model_overfits_one_batch():
+    torch.manual_seed(0)
+    cfg = ModelConfig.preset("llama", vocab_size=64, dim=64, n_layers=2, n_heads=4, max_seq_len=32)
+    model = Transformer(cfg)
+    tokens = torch.randint(0, 64, (4, 33))
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    for step in range(300):
+        loss = F.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
+        if loss.item() < 0.1:
+            break
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert loss.item() < 0.1, f"loss {loss.item():.3f} after {step} steps"

@@ -21,6 +21,7 @@ Sublayer = Callable[[torch.Tensor], torch.Tensor]
 
 class Placement(nn.Module):
     needs_final_norm: bool = True  # False when the last block's output is already normalized
+    adds_to_stream: bool = True  # output = input + update; False when the stream is renormalized (post)
 
     def forward(self, x: torch.Tensor, f: Sublayer) -> torch.Tensor:
         raise NotImplementedError
@@ -51,6 +52,7 @@ class PostNorm(Placement):
     """N(x + f(x)) — the original Transformer, BERT. The stream is renormalized after every sublayer."""
 
     needs_final_norm = False
+    adds_to_stream = False
 
     def __init__(self, cfg) -> None:
         super().__init__()

@@ -22,6 +22,7 @@ class Transformer(nn.Module):
         # Pre-norm leaves the stream unnormalized, so it needs a final norm before the head; post-norm doesn't.
         self.norm = build_norm(cfg) if cfg.has_final_norm else None
         self.output = None if cfg.tie_embeddings else Linear(cfg.dim, cfg.vocab_size, False, init_std(cfg, "head"))
+        self.recorder = None  # a model.probes.Recorder while metrics are being collected
 
     def init_weights(self) -> None:
         """Re-draw every parameter (e.g. after `to_empty` on a model built on the meta device)."""
@@ -38,6 +39,11 @@ class Transformer(nn.Module):
             raise ValueError(f"sequence length {T} exceeds ModelConfig.max_seq_len={self.cfg.max_seq_len}")
         cos, sin = rope_cos_sin(T, self.cfg.head_dim, self.cfg.rope_theta, tokens.device)
         x, pending = self.tok_embeddings(tokens), None
+        if self.recorder is not None:  # metrics step: plain placement math, every intermediate observed
+            for layer in self.layers:
+                x = layer.forward_observed(x, cos, sin, self.recorder)
+            self.recorder.final(x)
+            return x if self.norm is None else self.norm(x)
         for layer in self.layers:
             x, pending = layer.forward_deferred(x, pending, cos, sin)
         if self.norm is not None:

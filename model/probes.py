@@ -1,0 +1,115 @@
+"""Training-health probes: residual-stream growth and softmax saturation, measured on demand.
+
+Nothing here runs unless a `Recorder` is attached (`with record(model) as rec: model(tokens)`): the hot path
+pays one `is None` check per forward. While attached, the blocks run their plain (unfused) placement math so
+the stream before and after each sublayer exists as a tensor, and each attention layer hands its post-RoPE
+q and k to the recorder, which recomputes the softmax for a few sampled query rows with the same scale and
+causal mask as training — the main path keeps using `scaled_dot_product_attention`.
+
+Tags (see DESIGN.md): `resid/rms/L{l}` (stream entering block l), `resid/rms_out/L{l}` (leaving it),
+`resid/update_rms/{attn,mlp}/L{l}`, `resid/update_ratio/{attn,mlp}/L{l}` (update RMS / stream RMS: the block's
+relative contribution), `resid/read_rms/{attn,mlp}/L{l}` (what the sublayer reads, after its norm if any),
+`resid/final_in` (input to the final norm), and `attn/{max_prob,entropy,saturated_frac,max_logit}/L{l}` (mean
+over heads) with `attn/*_worst/L{l}` (the worst head).
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Iterator
+
+import torch
+
+
+def token_rms(x: torch.Tensor) -> torch.Tensor:
+    """Mean over tokens of each token's RMS over features (a 0-d fp32 tensor)."""
+    return x.detach().float().pow(2).mean(-1).sqrt().mean()
+
+
+def attention_stats(q_BHTD: torch.Tensor, k_BKTD: torch.Tensor, rows: torch.Tensor,
+                    threshold: float = 0.99) -> dict[str, torch.Tensor]:
+    """Softmax statistics per head for the query positions `rows`, from post-RoPE q [B,H,T,D] and k [B,K,T,D].
+
+    Returns per-head tensors [H]: `max_prob` (mean over rows of the largest probability), `entropy` (normalized
+    by log of the number of visible keys, so uniform attention gives 1), `saturated_frac` (fraction of rows whose
+    largest probability ≥ threshold) and `max_logit` (the largest scaled pre-softmax logit). Row 0 sees only
+    itself — saturated by construction — so rows with one visible key are left out.
+    """
+    rows = rows[rows > 0]
+    if rows.numel() == 0:
+        raise ValueError("attention_stats needs at least one query row past position 0")
+    q = q_BHTD.detach().float()[:, :, rows]  # [B, H, R, D]
+    k = k_BKTD.detach().float()
+    H, K, D = q.shape[1], k.shape[1], q.shape[-1]
+    k = k.repeat_interleave(H // K, dim=1)  # GQA: query head h reads kv head h // (H/K)
+    logits = q @ k.transpose(-1, -2) / math.sqrt(D)  # [B, H, R, T], the scale SDPA uses
+    visible = torch.arange(k.shape[2], device=q.device)[None, :] <= rows[:, None]  # causal mask, [R, T]
+    logits = logits.masked_fill(~visible, float("-inf"))
+    p = logits.softmax(-1)
+    ent = -(p * p.clamp_min(1e-30).log()).sum(-1)  # [B, H, R]
+    pmax = p.amax(-1)  # [B, H, R]
+    return {
+        "max_prob": pmax.mean((0, 2)),
+        "entropy": (ent / visible.sum(-1).float().log()).mean((0, 2)),
+        "saturated_frac": (pmax >= threshold).float().mean((0, 2)),
+        "max_logit": logits.amax((0, 2, 3)),
+    }
+
+
+class Recorder:
+    """Collects probe values during one forward pass; `scalars()` turns them into {tag: float}."""
+
+    def __init__(self, attn_rows: int = 64, saturation_threshold: float = 0.99, attn_batch: int = 1) -> None:
+        self.attn_rows, self.threshold, self.attn_batch = attn_rows, saturation_threshold, attn_batch
+        self.values: dict[str, torch.Tensor] = {}
+
+    # -- residual stream --------------------------------------------------------------------------
+    def block(self, layer: int, stream_in: torch.Tensor, stream_out: torch.Tensor) -> None:
+        self.values[f"resid/rms/L{layer}"] = token_rms(stream_in)
+        self.values[f"resid/rms_out/L{layer}"] = token_rms(stream_out)
+
+    def sublayer(self, layer: int, name: str, stream: torch.Tensor, read: torch.Tensor,
+                 update: torch.Tensor) -> None:
+        s, u = token_rms(stream), token_rms(update)
+        self.values[f"resid/update_rms/{name}/L{layer}"] = u
+        self.values[f"resid/update_ratio/{name}/L{layer}"] = u / s.clamp_min(1e-30)
+        self.values[f"resid/read_rms/{name}/L{layer}"] = token_rms(read)
+
+    def final(self, x: torch.Tensor) -> None:
+        self.values["resid/final_in"] = token_rms(x)
+
+    # -- attention ---------------------------------------------------------------------------------
+    def attention(self, layer: int, q_BHTD: torch.Tensor, k_BKTD: torch.Tensor) -> None:
+        T = q_BHTD.shape[2]
+        if T < 2:  # a single position attends only to itself: nothing to measure
+            return
+        rows = torch.linspace(0, T - 1, min(self.attn_rows, T), device=q_BHTD.device).round().long().unique()
+        b = min(self.attn_batch, q_BHTD.shape[0])
+        stats = attention_stats(q_BHTD[:b], k_BKTD[:b], rows, self.threshold)
+        for key, per_head in stats.items():
+            self.values[f"attn/{key}/L{layer}"] = per_head.mean()
+            worst = per_head.amin() if key == "entropy" else per_head.amax()
+            self.values[f"attn/{key}_worst/L{layer}"] = worst
+
+    def scalars(self) -> dict[str, float]:
+        if not self.values:
+            return {}
+        keys = list(self.values)
+        numbers = torch.stack([self.values[k].float() for k in keys]).tolist()  # one device sync
+        return dict(zip(keys, numbers))
+
+
+@contextlib.contextmanager
+def record(model: torch.nn.Module, **kwargs) -> Iterator[Recorder]:
+    """Attach a Recorder to a `model.Transformer` for the forward passes inside the `with` block."""
+    rec = Recorder(**kwargs)
+    attns = [layer.attn for layer in model.layers]
+    for i, attn in enumerate(attns):
+        attn.probe = lambda q, k, i=i: rec.attention(i, q, k)
+    model.recorder = rec
+    try:
+        yield rec
+    finally:
+        model.recorder = None
+        for attn in attns:
+            attn.probe = None

@@ -14,6 +14,22 @@ from model.norms import build_norm
 from model.rope import apply_rope
 
 
+class LayerCache:
+    """One layer's key/value cache for generation: preallocated [B, K, max_len, D], filled left to right."""
+
+    def __init__(self, batch: int, n_kv_heads: int, max_len: int, head_dim: int, device, dtype) -> None:
+        self.k = torch.zeros(batch, n_kv_heads, max_len, head_dim, device=device, dtype=dtype)
+        self.v = torch.zeros_like(self.k)
+        self.length = 0
+
+    def append(self, k_BKTD: torch.Tensor, v_BKTD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store the new keys/values and return everything cached so far."""
+        end = self.length + k_BKTD.shape[2]
+        self.k[:, :, self.length:end], self.v[:, :, self.length:end] = k_BKTD, v_BKTD
+        self.length = end
+        return self.k[:, :, :end], self.v[:, :, :end]
+
+
 class Attention(nn.Module):
     def __init__(self, cfg, layer_id: int) -> None:
         super().__init__()
@@ -34,7 +50,8 @@ class Attention(nn.Module):
         # Set by model.probes to observe q and k (softmax saturation); None on the hot path.
         self.probe = None
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: "LayerCache | None" = None) -> torch.Tensor:
+        """x [B, T, dim] → [B, T, dim]. cos/sin cover positions start … start+T−1 (start = cached length)."""
         B, T, _ = x.shape
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         if self.qk_norm == "full":  # before the head split and before RoPE, as in OLMo 2
@@ -48,6 +65,13 @@ class Attention(nn.Module):
         v_BKTD = v.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
         if self.probe is not None:
             self.probe(q_BHTD, k_BKTD)
-        y_BHTD = F.scaled_dot_product_attention(q_BHTD, k_BKTD, v_BKTD, is_causal=True,
+        mask, causal = None, True
+        if cache is not None:
+            start = cache.length
+            k_BKTD, v_BKTD = cache.append(k_BKTD, v_BKTD)
+            if start > 0:  # new queries see every cached key and the new keys up to themselves
+                causal = False
+                mask = torch.arange(start + T, device=x.device)[None, :] <= torch.arange(start, start + T, device=x.device)[:, None]
+        y_BHTD = F.scaled_dot_product_attention(q_BHTD, k_BKTD, v_BKTD, attn_mask=mask, is_causal=causal,
                                                 enable_gqa=self.n_kv_heads != self.n_heads)
         return self.o_proj(y_BHTD.transpose(1, 2).reshape(B, T, -1))

@@ -39,7 +39,7 @@ class Block(nn.Module):
         return x
 
     def forward_deferred(self, x: torch.Tensor, pending: torch.Tensor | None, cos: torch.Tensor,
-                         sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+                         sin: torch.Tensor, cache=None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """`forward` with the last residual add left pending, so the next norm can fuse it (see residual.py)."""
-        x, pending = self.attn_res.forward_deferred(x, pending, lambda h: self.attn(h, cos, sin))
+        x, pending = self.attn_res.forward_deferred(x, pending, lambda h: self.attn(h, cos, sin, cache))
         return self.mlp_res.forward_deferred(x, pending, self.mlp)

@@ -5,6 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from model.attention import LayerCache
 from model.block import Block
 from model.config import ModelConfig
 from model.init import init_std, init_weights
@@ -32,24 +33,34 @@ class Transformer(nn.Module):
     def head_weight(self) -> torch.Tensor:
         return self.tok_embeddings.weight if self.output is None else self.output.weight
 
-    def hidden_states(self, tokens: torch.Tensor) -> torch.Tensor:
-        """The final hidden states [B, T, dim] (after the final norm) for tokens [B, T]."""
+    def new_cache(self, batch: int, max_len: int | None = None) -> list[LayerCache]:
+        """Empty per-layer key/value caches for incremental decoding (see model/generate.py)."""
+        p = self.head_weight
+        return [LayerCache(batch, self.cfg.kv_heads, max_len or self.cfg.max_seq_len, self.cfg.head_dim, p.device,
+                           p.dtype) for _ in self.layers]
+
+    def hidden_states(self, tokens: torch.Tensor, cache: list[LayerCache] | None = None) -> torch.Tensor:
+        """The final hidden states [B, T, dim] (after the final norm) for tokens [B, T].
+
+        With `cache`, tokens continue the cached sequence: positions start at the cached length.
+        """
         B, T = tokens.shape
-        if T > self.cfg.max_seq_len:
-            raise ValueError(f"sequence length {T} exceeds ModelConfig.max_seq_len={self.cfg.max_seq_len}")
-        cos, sin = rope_cos_sin(T, self.cfg.head_dim, self.cfg.rope_theta, tokens.device)
+        start = cache[0].length if cache else 0
+        if start + T > self.cfg.max_seq_len:
+            raise ValueError(f"sequence length {start + T} exceeds ModelConfig.max_seq_len={self.cfg.max_seq_len}")
+        cos, sin = rope_cos_sin(T, self.cfg.head_dim, self.cfg.rope_theta, tokens.device, start=start)
         x, pending = self.tok_embeddings(tokens), None
         if self.recorder is not None:  # metrics step: plain placement math, every intermediate observed
             for layer in self.layers:
                 x = layer.forward_observed(x, cos, sin, self.recorder)
             self.recorder.final(x)
             return x if self.norm is None else self.norm(x)
-        for layer in self.layers:
-            x, pending = layer.forward_deferred(x, pending, cos, sin)
+        for i, layer in enumerate(self.layers):
+            x, pending = layer.forward_deferred(x, pending, cos, sin, cache[i] if cache else None)
         if self.norm is not None:
             return self.norm(x) if pending is None else self.norm(pending, residual=x)[0]
         return x if pending is None else x + pending
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, cache: list[LayerCache] | None = None) -> torch.Tensor:
         """Logits [B, T, vocab_size] for tokens [B, T]."""
-        return F.linear(self.hidden_states(tokens), self.head_weight)
+        return F.linear(self.hidden_states(tokens, cache), self.head_weight)

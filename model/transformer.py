@@ -10,6 +10,7 @@ from model.block import Block
 from model.config import ModelConfig
 from model.init import init_std, init_weights
 from model.layers import Embedding, Linear
+from model.loss import fused_linear_cross_entropy
 from model.norms import build_norm
 from model.rope import rope_cos_sin
 
@@ -61,6 +62,11 @@ class Transformer(nn.Module):
             return self.norm(x) if pending is None else self.norm(pending, residual=x)[0]
         return x if pending is None else x + pending
 
-    def forward(self, tokens: torch.Tensor, cache: list[LayerCache] | None = None) -> torch.Tensor:
-        """Logits [B, T, vocab_size] for tokens [B, T]."""
-        return F.linear(self.hidden_states(tokens, cache), self.head_weight)
+    def forward(self, tokens: torch.Tensor, cache: list[LayerCache] | None = None,
+                targets: torch.Tensor | None = None, loss_chunk_size: int = 1024) -> torch.Tensor:
+        """Logits [B, T, vocab_size] for tokens [B, T]; or, given targets [B, T], the mean cross-entropy,
+        computed in chunks so the full logits are never materialized (see model/loss.py)."""
+        h = self.hidden_states(tokens, cache)
+        if targets is None:
+            return F.linear(h, self.head_weight)
+        return fused_linear_cross_entropy(h, self.head_weight, targets, loss_chunk_size)

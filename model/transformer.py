@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from model.attention import LayerCache
 from model.block import Block
@@ -25,6 +26,7 @@ class Transformer(nn.Module):
         self.norm = build_norm(cfg) if cfg.has_final_norm else None
         self.output = None if cfg.tie_embeddings else Linear(cfg.dim, cfg.vocab_size, False, init_std(cfg, "head"))
         self.recorder = None  # a model.probes.Recorder while metrics are being collected
+        self.activation_checkpointing = False  # recompute each block in backward (set by model.optimize)
 
     def init_weights(self) -> None:
         """Re-draw every parameter (e.g. after `to_empty` on a model built on the meta device)."""
@@ -57,7 +59,10 @@ class Transformer(nn.Module):
             self.recorder.final(x)
             return x if self.norm is None else self.norm(x)
         for i, layer in enumerate(self.layers):
-            x, pending = layer.forward_deferred(x, pending, cos, sin, cache[i] if cache else None)
+            if self.activation_checkpointing and torch.is_grad_enabled():
+                x, pending = checkpoint(layer.forward_deferred, x, pending, cos, sin, use_reentrant=False)
+            else:
+                x, pending = layer.forward_deferred(x, pending, cos, sin, cache[i] if cache else None)
         if self.norm is not None:
             return self.norm(x) if pending is None else self.norm(pending, residual=x)[0]
         return x if pending is None else x + pending

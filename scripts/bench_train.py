@@ -8,7 +8,10 @@ ceiling measured in the same run. Also measures activation checkpointing (memory
 regional torch.compile.
 
     python scripts/bench_train.py                      # CPU fp32, the ~8M config of the performance issue
-    python scripts/bench_train.py --device cuda --dtype bfloat16 --dim 1024 --layers 24 --seq 2048 --vocab 32768
+    python scripts/bench_train.py --device cuda --dtype bfloat16 --dim 1024 --layers 24 --heads 16 \
+        --seq 2048 --batch 8 --vocab 32768 --only-normlab --compile --train-seconds 120   # ~350M, MFU
+
+On a GPU, bf16 means bf16-mixed as training uses it: fp32 weights and optimizer, autocast to bf16.
 """
 from __future__ import annotations
 
@@ -76,7 +79,14 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--steps", type=int, default=3, help="timed steps per model per round")
     ap.add_argument("--compile", action="store_true", help="also time regional torch.compile")
+    ap.add_argument("--only-normlab", action="store_true", help="skip the transformers baseline and variants")
+    ap.add_argument("--train-seconds", type=float, default=0.0,
+                    help="with --only-normlab: train this long and report tokens/s and MFU")
+    ap.add_argument("--peak-tflops", type=float, default=989.0,
+                    help="dense peak of the device for MFU (H100/H200 bf16: 989)")
     args = ap.parse_args()
+    if args.only_normlab:
+        return train_for(args)
 
     dev, dtype = args.device, getattr(torch, args.dtype)
     torch.manual_seed(0)
@@ -141,6 +151,52 @@ def main() -> None:
               f"{mem[name]:>18,.0f}")
     print(f"activation checkpointing: {mem['normlab'] / mem['normlab+act-ckpt']:.1f}x less activation memory, "
           f"{statistics.median(times['normlab+act-ckpt']) / statistics.median(times['normlab']):.2f}x step time")
+    if dev == "cuda":
+        print(f"peak CUDA memory: {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB")
+
+
+def train_for(args: argparse.Namespace) -> None:
+    """Train normlab's model alone for --train-seconds (random tokens) and print tokens/s and MFU."""
+    dev = args.device
+    torch.manual_seed(0)
+    torch.backends.cuda.matmul.allow_tf32 = True
+    cfg = ModelConfig.preset("llama", vocab_size=args.vocab, dim=args.dim, n_layers=args.layers,
+                             n_heads=args.heads, n_kv_heads=args.kv_heads, max_seq_len=args.seq)
+    model = Transformer(cfg).to(dev)
+    if args.compile:
+        compile_blocks(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=True)
+    amp = torch.autocast(dev, dtype=torch.bfloat16, enabled=args.dtype == "bfloat16")
+    tokens = args.batch * args.seq
+    print(f"training {cfg.num_params() / 1e6:.0f}M params, {tokens} tokens/step, device={dev} dtype={args.dtype} "
+          f"compile={args.compile}", flush=True)
+
+    def step() -> float:
+        x = torch.randint(0, args.vocab, (args.batch, args.seq + 1), device=dev)
+        with amp:
+            loss = model(x[:, :-1], targets=x[:, 1:])
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    for _ in range(3):  # warm-up and compile
+        step()
+    sync(dev)
+    steps, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < args.train_seconds or steps < 5:
+        loss = step()
+        steps += 1
+        if steps % 20 == 0:
+            sync(dev)
+            el = time.perf_counter() - t0
+            print(f"step {steps}: loss {loss.item():.3f}, {steps * tokens / el:,.0f} tokens/s", flush=True)
+    sync(dev)
+    elapsed = time.perf_counter() - t0
+    tps = steps * tokens / elapsed
+    mfu = tps * cfg.flops_per_token(args.seq) / (args.peak_tflops * 1e12)
+    print(f"RESULT: {steps} steps in {elapsed:.1f}s: {tps:,.0f} tokens/s, MFU {mfu:.1%} of {args.peak_tflops:.0f} "
+          f"TFLOP/s (FLOPs/token {cfg.flops_per_token(args.seq) / 1e9:.2f} G from the config)")
     if dev == "cuda":
         print(f"peak CUDA memory: {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB")
 

@@ -113,3 +113,26 @@ def record(model: torch.nn.Module, **kwargs) -> Iterator[Recorder]:
         model.recorder = None
         for attn in attns:
             attn.probe = None
+
+
+def grad_norms(model: torch.nn.Module, grad_of=lambda p: p.grad) -> dict[str, float]:
+    """L2 gradient norm per block (`grad/norm/L{l}`), of the embedding and head, and overall (`grad/global`).
+
+    `grad_of(p)` returns the full gradient of a parameter; the default reads `p.grad`. Under ZeRO, where
+    `p.grad` is partitioned or None, pass DeepSpeed's `safe_get_full_grad`.
+    """
+    sq: dict[str, torch.Tensor] = {}
+    for name, p in model.named_parameters():
+        g = grad_of(p)
+        if g is None:
+            continue
+        parts = name.split(".")
+        key = f"grad/norm/L{parts[1]}" if parts[0] == "layers" else f"grad/norm/{parts[0]}"
+        sq[key] = sq.get(key, 0) + g.detach().float().pow(2).sum()
+    if not sq:
+        return {}
+    keys = list(sq)
+    values = torch.stack([sq[k] for k in keys])
+    out = dict(zip(keys, values.sqrt().tolist()))
+    out["grad/global"] = values.sum().sqrt().item()
+    return out

@@ -95,3 +95,18 @@ def test_pre_norm_stream_grows_with_depth_at_init():
     s = rec.scalars()
     rms = [s[f"resid/rms/L{l}"] for l in range(8)] + [s["resid/final_in"]]
     assert all(b > a for a, b in zip(rms, rms[1:])), rms
+
+
+def test_grad_norms_per_layer_and_global():
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(vocab_size=64, dim=32, n_layers=3, n_heads=4))
+    model(torch.randint(0, 64, (2, 8)), targets=torch.randint(0, 64, (2, 8))).backward()
+    from model.probes import grad_norms
+
+    norms = grad_norms(model)
+    for l in range(3):
+        expected = torch.cat([p.grad.flatten() for p in model.layers[l].parameters()]).norm().item()
+        assert norms[f"grad/norm/L{l}"] == pytest.approx(expected, rel=1e-5)
+    total = torch.cat([p.grad.flatten() for p in model.parameters()]).norm().item()
+    assert norms["grad/global"] == pytest.approx(total, rel=1e-5)
+    assert {"grad/norm/tok_embeddings", "grad/norm/output"} <= set(norms)

@@ -1,0 +1,167 @@
+"""Fixed-length windows over a flat token array, and the pure sampling function.
+
+A sample is a window of ``seq_len + 1`` tokens (inputs and shifted targets). Windows start on a grid of
+stride ``seq_len`` shifted by a per-epoch offset, and each epoch visits the grid in a keyed random order.
+
+Position is counted in *micro-steps*: micro-batches each rank has consumed, ``global_step * accumulate +
+micro_batch``. The micro-batch that ``rank`` of ``world_size`` reads at micro-step ``m`` holds the global
+samples ``[(m * world_size + rank) * batch_size, ... + batch_size)``, and global sample ``s`` is window
+``permute(s mod n)`` of epoch ``s div n``. So a batch is a pure function of (seed, micro-step, rank, world
+size): resuming needs no replay, and ranks never share a window within an epoch. Resuming reproduces the
+straight run when world size and batch size are unchanged.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.utils.data import IterableDataset, get_worker_info
+
+from data import rng
+from data.errors import DataError
+
+
+@dataclass(frozen=True)
+class WindowSampler:
+    """Maps global sample indices to window start offsets in a token array of ``n_tokens``."""
+
+    n_tokens: int
+    seq_len: int
+    seed: int
+
+    def __post_init__(self) -> None:
+        check_enough_tokens(self.n_tokens, self.seq_len, "the train split")
+
+    @property
+    def n_windows(self) -> int:
+        """Windows per epoch: the grid leaves up to ``seq_len`` tokens of slack for the epoch offset."""
+        return max(1, (self.n_tokens - 1) // self.seq_len - 1)
+
+    @property
+    def max_offset(self) -> int:
+        return min(self.seq_len - 1, self.n_tokens - 1 - self.n_windows * self.seq_len)
+
+    def starts(self, samples: np.ndarray) -> np.ndarray:
+        epochs, positions = np.divmod(np.asarray(samples, dtype=np.int64), self.n_windows)
+        starts = np.empty_like(positions)
+        for epoch in np.unique(epochs):
+            here = epochs == epoch
+            key = rng.derive_key(self.seed, int(epoch))
+            offset = rng.derive_key(self.seed, int(epoch), 1) % (self.max_offset + 1)
+            starts[here] = offset + rng.permute(positions[here], self.n_windows, key) * self.seq_len
+        return starts
+
+
+def check_enough_tokens(n_tokens: int, seq_len: int, what: str) -> None:
+    if n_tokens < seq_len + 1:
+        raise DataError(
+            f"corpus too small: {what} has {n_tokens} tokens, but one sequence of seq_len {seq_len} needs "
+            f"{seq_len + 1} (seq_len + 1); lower seq_len or prepare more text"
+        )
+
+
+def micro_step(global_step: int, micro_batch: int = 0, accumulate: int = 1) -> int:
+    """Micro-batches a rank has consumed before ``micro_batch`` of optimizer step ``global_step``."""
+    return global_step * accumulate + micro_batch
+
+
+def sample_indices(step: int, rank: int, world_size: int, batch_size: int) -> np.ndarray:
+    """Global sample indices of the micro-batch ``rank`` reads at micro-step ``step``."""
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is outside world size {world_size}")
+    first = (step * world_size + rank) * batch_size
+    return np.arange(first, first + batch_size, dtype=np.int64)
+
+
+def gather(tokens: np.ndarray, starts: np.ndarray, length: int) -> np.ndarray:
+    """Stack ``tokens[start : start + length]`` for each start into an int64 array [len(starts), length]."""
+    return tokens[starts[:, None] + np.arange(length)].astype(np.int64)
+
+
+def train_batch(
+    tokens: np.ndarray, *, seq_len: int, batch_size: int, seed: int, step: int, rank: int = 0, world_size: int = 1
+) -> np.ndarray:
+    """The training micro-batch [batch_size, seq_len + 1] at micro-step ``step`` (see module docstring)."""
+    sampler = WindowSampler(len(tokens), seq_len, seed)
+    return gather(tokens, sampler.starts(sample_indices(step, rank, world_size, batch_size)), seq_len + 1)
+
+
+def val_starts(n_tokens: int, seq_len: int, n_windows: int) -> np.ndarray:
+    """``n_windows`` fixed window starts spread evenly over the split (repeating only if it is too short)."""
+    check_enough_tokens(n_tokens, seq_len, "the validation split")
+    available = (n_tokens - 1) // seq_len
+    j = np.arange(n_windows, dtype=np.int64)
+    grid = j * available // n_windows if n_windows <= available else j % available
+    return grid * seq_len
+
+
+def rank_val_batches(val_batches: int, rank: int, world_size: int) -> list[int]:
+    """The validation batches ``rank`` evaluates: every world_size-th, wrapping so all ranks run equally many
+    (unequal counts would deadlock collectives inside validation)."""
+    per_rank = math.ceil(val_batches / world_size)
+    return [(rank + i * world_size) % val_batches for i in range(per_rank)]
+
+
+class _TokenFile(IterableDataset):
+    """Yields whole batches from a memory-mapped token file; opened lazily in each loader worker."""
+
+    def __init__(self, path: Path, dtype: str, n_tokens: int) -> None:
+        self.path, self.dtype, self.n_tokens = Path(path), dtype, n_tokens
+
+    def _tokens(self) -> np.ndarray:
+        return np.memmap(self.path, dtype=self.dtype, mode="r", shape=(self.n_tokens,))
+
+    @staticmethod
+    def _worker_share() -> tuple[int, int]:
+        # The DataLoader takes batches from its workers round-robin, so worker w producing items w, w+k, ...
+        # keeps the loader's output in sequence order.
+        info = get_worker_info()
+        return (0, 1) if info is None else (info.id, info.num_workers)
+
+
+class TrainBatches(_TokenFile):
+    """Endless training micro-batches from ``start_step`` on; training stops at ``max_steps``."""
+
+    def __init__(
+        self, path: Path, dtype: str, n_tokens: int, *, seq_len: int, batch_size: int, seed: int,
+        start_step: int = 0, rank: int = 0, world_size: int = 1,
+    ) -> None:
+        super().__init__(path, dtype, n_tokens)
+        self.sampler = WindowSampler(n_tokens, seq_len, seed)
+        self.batch_size, self.start_step, self.rank, self.world_size = batch_size, start_step, rank, world_size
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        tokens = self._tokens()
+        worker, workers = self._worker_share()
+        for step in itertools.count(self.start_step + worker, workers):
+            samples = sample_indices(step, self.rank, self.world_size, self.batch_size)
+            starts = self.sampler.starts(samples)
+            yield torch.from_numpy(gather(tokens, starts, self.sampler.seq_len + 1))
+
+
+class ValBatches(_TokenFile):
+    """This rank's share of a fixed set of ``val_batches`` validation batches."""
+
+    def __init__(
+        self, path: Path, dtype: str, n_tokens: int, *, seq_len: int, batch_size: int, val_batches: int,
+        rank: int = 0, world_size: int = 1,
+    ) -> None:
+        super().__init__(path, dtype, n_tokens)
+        self.starts = val_starts(n_tokens, seq_len, val_batches * batch_size).reshape(val_batches, batch_size)
+        self.seq_len = seq_len
+        self.batches = rank_val_batches(val_batches, rank, world_size)
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        tokens = self._tokens()
+        worker, workers = self._worker_share()
+        for b in self.batches[worker::workers]:
+            yield torch.from_numpy(gather(tokens, self.starts[b], self.seq_len + 1))

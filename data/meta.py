@@ -1,0 +1,86 @@
+"""The layout of a prepared directory and its ``meta.json``.
+
+A prepared directory is self-contained::
+
+    meta.json          written last; its presence marks the directory complete
+    tokenizer.model    the sentencepiece model the tokens were made with (sha256 in meta.json)
+    train.bin          flat token ids of the train split, documents separated by EOS (dtype in meta.json)
+    val.bin            the same for the validation split
+
+``meta.json`` fields: ``format``, ``version``, ``fingerprint`` (hash of sources and settings), ``sources``,
+``settings``, ``tokenizer_path``, ``tokenizer_sha256``, ``vocab_size``, ``dtype``, ``bos_id``, ``eos_id``,
+``pad_id``, ``unk_id``, and ``splits.{train,val}.{file,tokens,documents,bytes}`` where ``bytes`` counts the
+UTF-8 bytes of the split's text (for bits-per-byte).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from data.errors import DataError
+
+FORMAT = "normlab-tokens"
+VERSION = 1
+META_FILE = "meta.json"
+TOKENIZER_FILE = "tokenizer.model"
+SPLITS = ("train", "val")
+# The largest vocabulary whose ids all fit in uint16, as the issue specifies.
+UINT16_MAX_VOCAB = 65_535
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    """uint16 when the vocabulary fits (≤ 65,535 pieces), else uint32."""
+    return np.dtype(np.uint16 if vocab_size <= UINT16_MAX_VOCAB else np.uint32)
+
+
+def split_file(split: str) -> str:
+    return f"{split}.bin"
+
+
+def write_meta(directory: Path, meta: dict[str, Any]) -> None:
+    (directory / META_FILE).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+
+
+def read_meta(directory: str | Path) -> dict[str, Any] | None:
+    """The parsed ``meta.json`` of ``directory``, or None if there is none."""
+    path = Path(directory) / META_FILE
+    if not path.is_file():
+        return None
+    try:
+        meta = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise DataError(f"'{path}' is not valid JSON ({e}); re-run `normlab prepare` with --overwrite") from e
+    if meta.get("format") != FORMAT or meta.get("version") != VERSION:
+        raise DataError(
+            f"'{path}' has format {meta.get('format')!r} version {meta.get('version')!r}, this normlab reads "
+            f"{FORMAT!r} version {VERSION}; re-run `normlab prepare` with --overwrite"
+        )
+    return meta
+
+
+def problems(directory: str | Path, meta: dict[str, Any]) -> list[str]:
+    """Why ``directory`` does not match its ``meta.json`` (empty when it does)."""
+    directory = Path(directory)
+    found = []
+    itemsize = np.dtype(meta["dtype"]).itemsize
+    for split, info in meta["splits"].items():
+        path = directory / info["file"]
+        expected = info["tokens"] * itemsize
+        if not path.is_file() or path.stat().st_size != expected:
+            size = path.stat().st_size if path.is_file() else "missing"
+            found.append(f"{path} should hold {expected} bytes ({split}), found {size}")
+    if not (directory / meta["tokenizer_path"]).is_file():
+        found.append(f"{directory / meta['tokenizer_path']} is missing")
+    return found
+
+
+def open_tokens(directory: str | Path, meta: dict[str, Any], split: str) -> np.ndarray:
+    """A read-only memory map of one split's tokens (an empty array for an empty split)."""
+    info = meta["splits"][split]
+    if info["tokens"] == 0:
+        return np.zeros(0, dtype=meta["dtype"])
+    return np.memmap(Path(directory) / info["file"], dtype=meta["dtype"], mode="r", shape=(info["tokens"],))

@@ -1,0 +1,128 @@
+"""`normlab export`: a checkpoint → a Hugging Face model directory (or normlab's own safetensors format).
+
+The Hugging Face directory holds `config.json` (model_type llama | qwen3 | olmo2), `model.safetensors`,
+`generation_config.json` and the tokenizer (`tokenizer.json` for `AutoTokenizer`, plus the original
+sentencepiece `tokenizer.model`). Weights go through `model.hf_compat`, the same name table the parity tests
+check. A config with no `transformers` equivalent is refused with the field that prevents it; `--format
+safetensors` writes `normlab_config.json` + `model.safetensors` instead, loadable by every normlab command.
+The directory appears atomically: it is written under a temporary name and renamed when complete.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+
+from model.hf_compat import hf_family, to_hf
+from training.loading import NORMLAB_EXPORT_CONFIG, CheckpointError, Loaded, load_checkpoint
+
+SPECIAL_IDS = ("unk", "bos", "eos", "pad")
+
+
+def _special_tokens(tokenizer_path: Path) -> dict[str, tuple[str, int]]:
+    import sentencepiece as spm
+
+    sp = spm.SentencePieceProcessor(model_file=str(tokenizer_path))
+    ids = {"unk": sp.unk_id(), "bos": sp.bos_id(), "eos": sp.eos_id(), "pad": sp.pad_id()}
+    return {k: (sp.id_to_piece(i), i) for k, i in ids.items() if i >= 0}
+
+
+def write_hf_tokenizer(tokenizer_path: Path, out: Path) -> None:
+    """A `tokenizers` BPE equivalent of the sentencepiece model (same ids for any text), saved for AutoTokenizer.
+
+    Built directly rather than through transformers' Llama converter, which prepends "▁" to every text —
+    normlab's tokenizer is trained without that dummy prefix, so the converter would change the ids.
+    """
+    from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers
+    from transformers import PreTrainedTokenizerFast
+    from transformers.convert_slow_tokenizer import SentencePieceExtractor
+
+    extracted = SentencePieceExtractor(str(tokenizer_path)).extract(models.BPE)
+    tok = Tokenizer(models.BPE(vocab=extracted["vocab"], merges=extracted["merges"], unk_token="<unk>",
+                               byte_fallback=True, fuse_unk=True))
+    tok.normalizer = normalizers.Replace(" ", "\u2581")
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
+    specials = _special_tokens(tokenizer_path)
+    tok.add_special_tokens([AddedToken(piece, special=True, normalized=False) for piece, _ in specials.values()])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, **{f"{k}_token": piece for k, (piece, _) in specials.items()})
+    fast.save_pretrained(str(out))
+    shutil.copyfile(tokenizer_path, out / "tokenizer.model")
+
+
+def _write_hf(loaded: Loaded, out: Path, dtype: torch.dtype) -> None:
+    from transformers import GenerationConfig
+
+    ids = {f"{k}_token_id": i for k, (_, i) in _special_tokens(loaded.tokenizer_path).items()} \
+        if loaded.tokenizer_path else {}
+    ids = {k: v for k, v in ids.items() if k != "unk_token_id"}
+    hf = to_hf(loaded.model)
+    for key, value in ids.items():
+        setattr(hf.config, key, value)
+    hf.config.normlab_step = loaded.step
+    hf.generation_config = GenerationConfig(**ids)
+    hf.to(dtype).save_pretrained(str(out), safe_serialization=True)
+
+
+def _write_safetensors(loaded: Loaded, out: Path, dtype: torch.dtype) -> None:
+    from safetensors.torch import save_file
+
+    state = {k: v.detach().to(dtype).contiguous() for k, v in loaded.model.state_dict().items()}
+    save_file(state, str(out / "model.safetensors"))
+    meta = {"format_version": 1, "step": loaded.step, "model": loaded.model.cfg.to_dict()}
+    (out / NORMLAB_EXPORT_CONFIG).write_text(json.dumps(meta, indent=2) + "\n")
+    if loaded.tokenizer_path:
+        shutil.copyfile(loaded.tokenizer_path, out / "tokenizer.model")
+
+
+def export(checkpoint: str | Path, output: str | Path, dtype: str = "float32", fmt: str = "hf",
+           overwrite: bool = False) -> Path:
+    output = Path(output)
+    if output.exists() and any(output.iterdir()) and not overwrite:
+        raise CheckpointError(f"'{output}' already exists and is not empty; choose another --output or pass --overwrite")
+    loaded = load_checkpoint(checkpoint)
+    if fmt == "hf":
+        hf_family(loaded.model.cfg)  # fail before writing anything, naming the field that prevents it
+    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
+    tmp = output.with_name(f".{output.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        if fmt == "hf":
+            _write_hf(loaded, tmp, torch_dtype)
+            if loaded.tokenizer_path:
+                write_hf_tokenizer(loaded.tokenizer_path, tmp)
+        else:
+            _write_safetensors(loaded, tmp, torch_dtype)
+        if output.exists():
+            shutil.rmtree(output)
+        tmp.rename(output)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return output
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="normlab export", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--checkpoint", required=True)
+    ap.add_argument("--output", required=True, type=Path)
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--format", dest="fmt", default="hf", choices=["hf", "safetensors"],
+                    help="hf: a transformers directory (Llama, Qwen3, OLMo 2 configs); safetensors: normlab's own")
+    ap.add_argument("--overwrite", action="store_true")
+    args = ap.parse_args(argv)
+    try:
+        out = export(args.checkpoint, args.output, args.dtype, args.fmt, args.overwrite)
+    except (CheckpointError, ValueError) as err:
+        print(f"normlab export: error: {err}", file=sys.stderr)
+        return 2
+    print(f"exported {args.checkpoint} → {out} ({args.fmt}, {args.dtype})")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

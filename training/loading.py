@@ -1,0 +1,196 @@
+"""Load any model normlab writes, for evaluation, export and generation — on CPU or GPU, in fp32 by default.
+
+Accepted `path`s:
+- a checkpoint directory `runs/<name>/checkpoints/step-XXXXXXXX/` (manifest.json): DeepSpeed shards of any
+  ZeRO stage and world size (consolidated in memory with DeepSpeed's own zero_to_fp32), or Lightning's
+  `model.ckpt` inside it;
+- a Lightning `.ckpt` file, or a consolidated state dict (`.pt`/`.bin`/`.safetensors`) with `model_config.json`
+  beside it;
+- an exported directory: Hugging Face (`config.json` + safetensors) or normlab's own `--format safetensors`.
+"""
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+
+from model import ModelConfig, Transformer
+
+log = logging.getLogger(__name__)
+
+MANIFEST = "manifest.json"
+MODEL_CONFIG_FILE = "model_config.json"
+CONFIG_FILE = "config.yaml"
+NORMLAB_EXPORT_CONFIG = "normlab_config.json"  # written by `normlab export --format safetensors`
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that is missing, incomplete or unreadable; the message names the path and the fix."""
+
+
+@dataclass
+class Loaded:
+    model: Transformer
+    step: int | None  # the optimizer step the weights are from, when known
+    run_dir: Path | None  # runs/<name>, when the checkpoint belongs to a run
+    run_config: dict[str, Any]  # the run's resolved config.yaml ({} when unknown)
+    tokenizer_path: Path | None  # the sentencepiece model the weights were trained with, when known
+    source: str  # which format was read
+
+    @property
+    def data_path(self) -> Path | None:
+        path = (self.run_config.get("data") or {}).get("path")
+        return Path(path) if path else None
+
+
+def _strip(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """LightningModule keys (`model.layers.0…`, `_forward_module.model.…`) → Transformer keys."""
+    out = {}
+    for key, value in state.items():
+        for prefix in ("_forward_module.", "model."):
+            if key.startswith(prefix):
+                key = key[len(prefix):]
+        out[key] = value
+    return out
+
+
+def _torch_load(path: Path) -> Any:
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:  # truncated zip, wrong file type, …
+        raise CheckpointError(f"cannot read '{path}': it is truncated or not a checkpoint ({err}); use another "
+                              "checkpoint, e.g. the previous step directory") from err
+
+
+def _deepspeed_state(ckpt_dir: Path) -> dict[str, torch.Tensor]:
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    latest = ckpt_dir / "latest"
+    if not latest.is_file():
+        raise CheckpointError(f"'{ckpt_dir}' has no DeepSpeed 'latest' file: the checkpoint is incomplete")
+    try:
+        # Reads every rank's shards and merges them, whatever ZeRO stage and world size wrote them.
+        return get_fp32_state_dict_from_zero_checkpoint(str(ckpt_dir))
+    except Exception as err:
+        raise CheckpointError(f"cannot consolidate the DeepSpeed checkpoint '{ckpt_dir}': a shard is missing or "
+                              f"truncated ({type(err).__name__}: {err})") from err
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise CheckpointError(f"cannot read '{path}': {err}") from err
+
+
+def _run_context(ckpt_dir: Path) -> tuple[Path | None, dict[str, Any]]:
+    """The run directory (…/runs/<name>) and its resolved config, found beside a step directory."""
+    config = {}
+    if (ckpt_dir / CONFIG_FILE).is_file():
+        config = yaml.safe_load((ckpt_dir / CONFIG_FILE).read_text()) or {}
+    run_dir = ckpt_dir.parent.parent if ckpt_dir.parent.name == "checkpoints" else None
+    return run_dir, config
+
+
+def _tokenizer_of(run_config: dict[str, Any]) -> Path | None:
+    data_path = (run_config.get("data") or {}).get("path")
+    meta = Path(data_path) / "meta.json" if data_path else None
+    if meta is None or not meta.is_file():
+        return None
+    return Path(data_path) / json.loads(meta.read_text())["tokenizer_path"]
+
+
+def _build(config: dict[str, Any], state: dict[str, torch.Tensor], where: Path) -> Transformer:
+    try:
+        cfg = ModelConfig(**config)
+    except (TypeError, ValueError) as err:
+        raise CheckpointError(f"'{where}': its model config is invalid ({err})") from err
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    state = {k: v.float() if v.is_floating_point() else v for k, v in state.items()}
+    if cfg.tie_embeddings:
+        state.pop("output.weight", None)
+    try:
+        model.load_state_dict(state, strict=True, assign=True)
+    except RuntimeError as err:
+        raise CheckpointError(f"'{where}': the weights do not match its model config ({err})") from err
+    return model
+
+
+def _load_step_dir(ckpt_dir: Path) -> Loaded:
+    manifest = _read_json(ckpt_dir / MANIFEST)
+    if not (ckpt_dir / MODEL_CONFIG_FILE).is_file():
+        raise CheckpointError(f"'{ckpt_dir}' has no {MODEL_CONFIG_FILE}: it was not written by normlab")
+    config = _read_json(ckpt_dir / MODEL_CONFIG_FILE)
+    if manifest.get("format") == "deepspeed":
+        state = _deepspeed_state(ckpt_dir)
+    else:
+        file = ckpt_dir / "model.ckpt"
+        if not file.is_file():
+            raise CheckpointError(f"'{file}' is missing: the checkpoint is incomplete")
+        state = _torch_load(file)["state_dict"]
+    run_dir, run_config = _run_context(ckpt_dir)
+    return Loaded(_build(config, _strip(state), ckpt_dir), manifest.get("step"), run_dir, run_config,
+                  _tokenizer_of(run_config), f"checkpoint ({manifest.get('format')})")
+
+
+def _load_export_dir(path: Path) -> Loaded:
+    tokenizer = path / "tokenizer.model"
+    tokenizer = tokenizer if tokenizer.is_file() else None
+    if (path / NORMLAB_EXPORT_CONFIG).is_file():
+        from safetensors.torch import load_file
+
+        meta = _read_json(path / NORMLAB_EXPORT_CONFIG)
+        model = _build(meta["model"], load_file(path / "model.safetensors"), path)
+        return Loaded(model, meta.get("step"), None, {}, tokenizer, "normlab safetensors export")
+    import transformers
+
+    from model.hf_compat import from_hf
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=torch.float32)
+    step = _read_json(path / "config.json").get("normlab_step")
+    return Loaded(from_hf(hf), step, None, {}, tokenizer, "Hugging Face export")
+
+
+def _load_file(path: Path) -> Loaded:
+    if path.suffix == ".safetensors":
+        from safetensors.torch import load_file
+
+        state = load_file(path)
+    else:
+        loaded = _torch_load(path)
+        state = loaded.get("state_dict", loaded) if isinstance(loaded, dict) else None
+        if state is None:
+            raise CheckpointError(f"'{path}' holds no state dict")
+    config_file = path.parent / MODEL_CONFIG_FILE
+    if not config_file.is_file():
+        raise CheckpointError(f"'{path}' needs its model config: put the run's {MODEL_CONFIG_FILE} beside it")
+    run_dir, run_config = _run_context(path.parent)
+    return Loaded(_build(_read_json(config_file), _strip(state), path), None, run_dir, run_config,
+                  _tokenizer_of(run_config), "state-dict file")
+
+
+def load_checkpoint(path: str | Path, device: str | torch.device = "cpu",
+                    dtype: torch.dtype = torch.float32) -> Loaded:
+    """Load the model at `path` (see the module docstring for the accepted formats) onto `device`."""
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"checkpoint '{path}' does not exist; list a run's checkpoints with "
+                              "`ls runs/<name>/checkpoints/`")
+    if path.is_dir() and (path / MANIFEST).is_file():
+        loaded = _load_step_dir(path)
+    elif path.is_dir() and ((path / "config.json").is_file() or (path / NORMLAB_EXPORT_CONFIG).is_file()):
+        loaded = _load_export_dir(path)
+    elif path.is_dir():
+        raise CheckpointError(f"'{path}' is not a complete checkpoint (no {MANIFEST}) nor an exported model "
+                              "(no config.json); an interrupted save leaves such a directory — use an earlier one")
+    else:
+        loaded = _load_file(path)
+    loaded.model.to(device=device, dtype=dtype).eval()
+    log.info("loaded %s from %s (step %s)", loaded.source, path, loaded.step)
+    return loaded

@@ -1,0 +1,259 @@
+"""Benchmark the norm kernels.
+
+    python scripts/bench_norms.py cpu [--threads 1] [--rounds 30]
+    python scripts/bench_norms.py gpu [--rows 32768] [--hidden 1024 2048 4096 8192]
+
+cpu: RMSNorm and LayerNorm, forward and forward+backward, fp32 and bf16, shape (8, 512, 768). Our CPU path
+(`backend="auto"`) against the eager composite, `F.rms_norm`, the `torch.compile`d composite and the native
+`F.layer_norm`. All candidates run interleaved, round after round, in one process: this machine is shared and
+its timings drift, so only ratios from one run mean anything (the order is shuffled every round). Targets (issue 5): our RMSNorm forward+backward
+at least as fast as `F.layer_norm` and >= 3x faster than the eager composite.
+
+gpu: effective bandwidth = minimal bytes / time (forward 2·s bytes per element, backward 3·s, fused add 4·s;
+s = element size) in bf16 with the L2 flushed before every launch (`triton.testing.do_bench`), as a
+percentage of a device-to-device copy measured in the same run; then times against torch eager,
+`torch.compile` and Liger-Kernel (if importable). Targets: forward and fused-add forward >= 90% of the copy,
+backward >= 75%, and >= 1.0x torch.compile.
+"""
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+
+from model.kernels import layer_norm, reference, rms_norm  # noqa: E402
+
+EPS = 1e-6
+
+
+# ----------------------------------------------------------------------------------------------- CPU
+def _composite_layer_norm(x, w, b):
+    h = x.float()
+    mean = h.mean(-1, keepdim=True)
+    h = (h - mean) * torch.rsqrt((h - mean).pow(2).mean(-1, keepdim=True) + EPS)
+    return (h * w + b).to(x.dtype)
+
+
+def _cpu_candidates() -> dict[str, dict[str, Callable]]:
+    """kind → name → f(x, w, b) -> y. The first entry of each kind is ours."""
+    compiled_rms = torch.compile(lambda x, w: reference.rms_norm(x, w, EPS), dynamic=False)
+    compiled_ln = torch.compile(_composite_layer_norm, dynamic=False)
+    return {
+        "rmsnorm": {
+            "ours (auto)": lambda x, w, b: rms_norm(x, w, EPS, backend="auto"),
+            "eager composite": lambda x, w, b: reference.rms_norm(x, w, EPS),
+            "F.rms_norm": lambda x, w, b: F.rms_norm(x, x.shape[-1:], w, EPS),
+            "torch.compile composite": lambda x, w, b: compiled_rms(x, w),
+            "F.layer_norm (native)": lambda x, w, b: F.layer_norm(x, x.shape[-1:], w, b, EPS),
+        },
+        "layernorm": {
+            "ours (auto)": lambda x, w, b: layer_norm(x, w, b, EPS, backend="auto"),
+            "eager composite": _composite_layer_norm,
+            "torch.compile composite": compiled_ln,
+        },
+    }
+
+
+def _timed(fn: Callable[[], object], clock: Callable[[], float] = time.perf_counter) -> float:
+    start = clock()
+    fn()
+    return clock() - start
+
+
+def bench_cpu(args: argparse.Namespace) -> None:
+    torch.set_num_threads(args.threads)
+    # process CPU time ignores the time other jobs hold the cores (summed over threads: use it with 1 thread)
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
+    print(f"# CPU norms, shape {tuple(args.shape)}, {args.threads} thread(s), {args.rounds} shuffled rounds, "
+          f"{args.clock} clock, torch {torch.__version__}")
+    candidates = _cpu_candidates()
+    for dtype in (torch.float32, torch.bfloat16):
+        gen = torch.Generator().manual_seed(0)
+        x = torch.randn(*args.shape, generator=gen).to(dtype)
+        w, b = (torch.randn(args.shape[-1], generator=gen).to(dtype) for _ in range(2))
+        dy = torch.randn(*args.shape, generator=gen).to(dtype)
+        for kind, fns in candidates.items():
+            runs: dict[tuple[str, str], Callable] = {}
+            for name, f in fns.items():
+                def forward(f=f):
+                    with torch.no_grad():
+                        f(x, w, b)
+
+                def forward_backward(f=f):
+                    xg, wg, bg = (t.detach().requires_grad_() for t in (x, w, b))
+                    f(xg, wg, bg).backward(dy)
+
+                runs[(name, "fwd")], runs[(name, "fwd+bwd")] = forward, forward_backward
+            for fn in runs.values():  # warm-up (and compile)
+                fn(), fn()
+            times = {key: [] for key in runs}
+            order, shuffle = list(runs), random.Random(0).shuffle
+            for _ in range(args.rounds):
+                shuffle(order)  # a fresh order each round: no candidate always inherits another's freed memory
+                for key in order:
+                    times[key].append(_timed(runs[key], clock))
+            _print_cpu_table(kind, dtype, times)
+
+
+def _print_cpu_table(kind: str, dtype: torch.dtype, times: dict[tuple[str, str], list[float]]) -> None:
+    names = list(dict.fromkeys(name for name, _ in times))
+    print(f"\n## {kind} {str(dtype).removeprefix('torch.')}: median ms (min ms); ratio = its median / ours")
+    print("| candidate | fwd ms | fwd ratio | fwd+bwd ms | fwd+bwd ratio |")
+    print("|---|---|---|---|---|")
+    ours = {p: statistics.median(times[(names[0], p)]) for p in ("fwd", "fwd+bwd")}
+    for name in names:
+        cells = []
+        for p in ("fwd", "fwd+bwd"):
+            med, low = statistics.median(times[(name, p)]), min(times[(name, p)])
+            cells += [f"{med * 1e3:.2f} ({low * 1e3:.2f})", f"{med / ours[p]:.2f}x"]
+        print(f"| {name} | " + " | ".join(cells) + " |")
+
+
+# ----------------------------------------------------------------------------------------------- GPU
+def _liger():
+    try:
+        from liger_kernel.transformers.layer_norm import LigerLayerNorm
+        from liger_kernel.transformers.rms_norm import LigerRMSNorm
+    except Exception as error:  # not installed, or an incompatible version
+        print(f"# Liger-Kernel not importable ({type(error).__name__}: {error}); skipped")
+        return None
+    return LigerRMSNorm, LigerLayerNorm
+
+
+def _eager_add_rms(x, r, w):
+    h = x + r
+    return reference.rms_norm(h, w, EPS), h
+
+
+def bench_gpu(args: argparse.Namespace) -> None:
+    from triton.testing import do_bench  # flushes L2 (writes a 256 MB buffer) before every measured call
+
+    from model.kernels.triton_norm import norm_bwd, norm_fwd  # the launchers themselves, without autograd
+
+    dev, dtype, s = torch.device(args.device), torch.bfloat16, 2
+    name = torch.cuda.get_device_name() if dev.type == "cuda" else "CPU DRY RUN (interpreter: numbers meaningless)"
+    print(f"# GPU norms, {name}, bf16, rows={args.rows}, torch {torch.__version__}", flush=True)
+
+    def ms(fn, grad_to_none=None):
+        if dev.type == "cuda":
+            return do_bench(fn, warmup=25, rep=args.rep_ms, grad_to_none=grad_to_none, return_mode="median")
+        return statistics.median(_timed(fn) for _ in range(3)) * 1e3  # --device cpu: checks the script only
+
+    liger = _liger()
+    torch._dynamo.config.recompile_limit = 64  # one graph per hidden size (the default limit is 8)
+    compiled = {  # static shapes: one graph per hidden size, as a training run would have
+        "rms": torch.compile(lambda x, w: reference.rms_norm(x, w, EPS), dynamic=False),
+        "add+rms": torch.compile(_eager_add_rms, dynamic=False),
+        "ln": torch.compile(lambda x, w, b: F.layer_norm(x, x.shape[-1:], w, b, EPS), dynamic=False),
+    }
+    for n in args.hidden:
+        numel = args.rows * n
+        x, r, dy, dh = (torch.randn(args.rows, n, device=dev, dtype=dtype) for _ in range(4))
+        w = (1 + 0.1 * torch.randn(n, device=dev)).to(dtype)
+        b = (0.1 * torch.randn(n, device=dev)).to(dtype)
+        dst = torch.empty_like(x)
+        no_mean = torch.empty(0, device=dev)
+        _, _, _, rstd = norm_fwd(x, w, None, None, EPS, 0.0, True, False)
+        _, h, _, rstd_h = norm_fwd(x, w, None, r, EPS, 0.0, True, False)
+        _, _, mean_ln, rstd_ln = norm_fwd(x, w, b, None, EPS, 0.0, False, False)
+        kernels = {  # name: (bytes per element / s, fn)
+            "device-to-device copy": (2, lambda: dst.copy_(x)),
+            "rmsnorm fwd": (2, lambda: norm_fwd(x, w, None, None, EPS, 0.0, True, False)),
+            "rmsnorm bwd (dx, dw)": (3, lambda: norm_bwd(dy, None, x, w, None, no_mean, rstd, 0.0, True, False)),
+            "add+rmsnorm fwd": (4, lambda: norm_fwd(x, w, None, r, EPS, 0.0, True, False)),
+            "add+rmsnorm bwd": (4, lambda: norm_bwd(dy, dh, h, w, None, no_mean, rstd_h, 0.0, True, False)),
+            "layernorm fwd": (2, lambda: norm_fwd(x, w, b, None, EPS, 0.0, False, False)),
+            "layernorm bwd (dx, dw, db)": (3, lambda: norm_bwd(dy, None, x, w, b, mean_ln, rstd_ln, 0.0, False, False)),
+        }
+        print(f"\n## hidden {n}: effective bandwidth (minimal bytes / median time, L2 flushed)")
+        print("| kernel | ms | GB/s | % of copy |")
+        print("|---|---|---|---|")
+        copy_bw = None
+        for name, (bytes_per_elem, fn) in kernels.items():
+            t = ms(fn)
+            bw = bytes_per_elem * s * numel / t / 1e6
+            copy_bw = copy_bw or bw
+            print(f"| {name} | {t:.4f} | {bw:.0f} | {100 * bw / copy_bw:.1f}% |", flush=True)
+        print(f"\n## hidden {n}: whole calls, inputs requiring grad; ratio = other / ours (> 1: ours faster)")
+        print("| op | pass | ours ms | other | other ms | ratio |")
+        print("|---|---|---|---|---|---|")
+        _gpu_comparisons(n, x, r, w, b, dy, ms, liger, compiled)
+
+
+def _gpu_comparisons(n, x, r, w, b, dy, ms, liger, compiled) -> None:
+    cases = {
+        "rmsnorm": (lambda x, w: rms_norm(x, w, EPS, backend="triton"), {
+            "torch eager": lambda x, w: reference.rms_norm(x, w, EPS),
+            "F.rms_norm": lambda x, w: F.rms_norm(x, x.shape[-1:], w, EPS),
+            "torch.compile": compiled["rms"],
+        }),
+        "add+rmsnorm": (lambda x, w: rms_norm(x, w, EPS, residual=r, backend="triton"), {
+            "torch eager": lambda x, w: _eager_add_rms(x, r, w),
+            "torch.compile": lambda x, w: compiled["add+rms"](x, r, w),
+        }),
+        "layernorm": (lambda x, w: layer_norm(x, w, b, EPS, backend="triton"), {
+            "torch eager": lambda x, w: F.layer_norm(x, x.shape[-1:], w, b, EPS),
+            "torch.compile": lambda x, w: compiled["ln"](x, w, b),
+        }),
+    }
+    if liger is not None:
+        rms_module = liger[0](n, eps=EPS).to(x.device, x.dtype)
+        ln_module = liger[1](n, eps=EPS).to(x.device, x.dtype)
+        cases["rmsnorm"][1]["Liger-Kernel"] = lambda x, w: rms_module(x)
+        cases["layernorm"][1]["Liger-Kernel"] = lambda x, w: ln_module(x)
+
+    def loss(out):  # with the fused add, both outputs take part in the backward
+        return out[0].float().sum() + out[1].float().sum() if isinstance(out, tuple) else (out * dy).float().sum()
+
+    for op, (ours, others) in cases.items():
+        timings = {}
+        for name, f in {"ours": ours, **others}.items():
+            xg, wg = x.detach().requires_grad_(), w.detach().requires_grad_()
+            try:  # the forward as in training (inputs need grad): one compiled graph pair per size
+                fwd = ms(lambda: f(xg, wg))
+                both = ms(lambda: loss(f(xg, wg)).backward(), grad_to_none=[xg, wg])
+            except Exception as error:  # e.g. a Liger version with another signature
+                print(f"| {op} | - | - | {name} | failed: {type(error).__name__}: {str(error)[:80]} | - |")
+                continue
+            timings[name] = {"fwd": fwd, "fwd+bwd": both}
+            if name != "ours" and "ours" in timings:
+                for p, t in timings[name].items():
+                    mine = timings["ours"][p]
+                    print(f"| {op} | {p} | {mine:.4f} | {name} | {t:.4f} | {t / mine:.2f}x |", flush=True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="mode", required=True)
+    cpu = sub.add_parser("cpu")
+    cpu.add_argument("--shape", type=int, nargs="+", default=[8, 512, 768])
+    cpu.add_argument("--threads", type=int, default=torch.get_num_threads())
+    cpu.add_argument("--rounds", type=int, default=30)
+    cpu.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                     help="cpu: process CPU time, robust to other jobs on a shared machine (with --threads 1)")
+    gpu = sub.add_parser("gpu")
+    gpu.add_argument("--rows", type=int, default=32768)
+    gpu.add_argument("--hidden", type=int, nargs="+", default=[1024, 2048, 4096, 8192])
+    gpu.add_argument("--rep-ms", type=int, default=100, help="time budget per measurement (do_bench `rep`)")
+    gpu.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
+                     help="cpu: a dry run of this script under TRITON_INTERPRET=1 (tiny --rows), no timings")
+    args = parser.parse_args(argv)
+    if args.mode == "cpu":
+        bench_cpu(args)
+    elif args.device == "cuda" and not torch.cuda.is_available():
+        sys.exit("bench_norms.py gpu: no CUDA device")
+    else:
+        bench_gpu(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# One prepared check for a lent GPU: environment, kernel tests on CUDA, norm benchmark.
+#
+#   OUT=/some/dir bash scripts/gpu_check.sh        # results: $OUT/*.txt (default OUT: ./gpu_check_out)
+#
+# The GPU machine has no network: nothing is installed; it runs the checkout with the machine's own torch and
+# triton (PYTHONPATH), so only code that needs no other packages is exercised here.
+# Budget: ~8 minutes in all. Each step has its own time limit and its own log ($OUT/norms_<step>.txt); a
+# failing step is recorded in $OUT/summary.txt (appended to) and the next step still runs; the exit status is 1
+# if any step failed.
+# To add a step, append `step <name> <timeout-s> <command...>` in the marked place at the bottom.
+set -euo pipefail
+
+cd "$(dirname "$0")/.."
+OUT="${OUT:-$PWD/gpu_check_out}"
+mkdir -p "$OUT"
+PY="${PYTHON:-$(command -v python3 || command -v python)}"
+export PY
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # import model/ from this checkout: no install needed
+export PYTHONUNBUFFERED=1
+unset TRITON_INTERPRET NORMLAB_KERNELS  # compiled GPU kernels, and no backend override
+FAILED=0
+echo "=== scripts/gpu_check.sh, $(date -u +%FT%TZ)" >> "$OUT/summary.txt"  # appends: OUT may be shared
+
+# step NAME TIMEOUT_S CMD...: runs CMD under a time limit, logs to $OUT/NAME.txt, records the exit status.
+step() {
+  local name="$1" limit="$2"
+  shift 2
+  echo "=== $name (limit ${limit}s): $*" | tee -a "$OUT/summary.txt"
+  local start=$SECONDS status=0
+  timeout --kill-after=10 "$limit" "$@" > "$OUT/$name.txt" 2>&1 || status=$?
+  echo "    -> exit $status after $((SECONDS - start))s" | tee -a "$OUT/summary.txt"
+  tail -n 40 "$OUT/$name.txt"
+  if [ "$status" -ne 0 ]; then FAILED=1; fi
+}
+
+env_info() {
+  nvidia-smi || echo "nvidia-smi: not available"
+  "$PY" - <<'EOF'
+import sys, torch
+print("python", sys.version.split()[0])
+print("torch", torch.__version__, "cuda", torch.version.cuda, "available", torch.cuda.is_available())
+if torch.cuda.is_available():
+    print("device", torch.cuda.get_device_name(), torch.cuda.get_device_capability())
+try:
+    import triton
+    print("triton", triton.__version__)
+except ImportError as error:
+    print("triton: not importable:", error)
+EOF
+  "$PY" -m pip list 2>/dev/null | grep -i -E '^(torch|triton|liger[-_]kernel|pytest|numpy) ' || true
+}
+export -f env_info
+
+# ---- 1. environment --------------------------------------------------------------------------------
+step norms_env 30 bash -c env_info
+
+# ---- 3. kernel correctness on CUDA (interpreter cases skip on a GPU machine; the CPU C++ kernel runs too) --
+step norms_kernel_tests 110 "$PY" -m pytest -q -ra --noconftest -p no:cacheprovider \
+  tests/test_kernels_accuracy.py tests/test_kernels_dispatch.py tests/test_kernels_model.py
+
+# ---- 4. norm benchmark: bandwidth vs a device copy; vs torch eager, torch.compile, Liger ---------------
+step norms_bench_gpu 120 "$PY" scripts/bench_norms.py gpu --rows 32768 --hidden 1024 2048 4096 8192 --rep-ms 50
+
+# ---- 5. training throughput and MFU: a ~370M-parameter Llama-style model, bf16-mixed, one H200 ----------
+# Eager first (a floor that needs no compiler), then regional torch.compile of each block.
+TRAIN=("$PY" scripts/bench_train.py --device cuda --dtype bfloat16 --dim 1024 --layers 24 --heads 16 \
+       --seq 2048 --batch 8 --vocab 32768 --only-normlab)
+step train_350m_eager 75 "${TRAIN[@]}" --train-seconds 25
+step train_350m_compile 165 "${TRAIN[@]}" --train-seconds 45 --compile
+
+echo "=== done: failed=$FAILED; results in $OUT" | tee -a "$OUT/summary.txt"
+exit "$FAILED"

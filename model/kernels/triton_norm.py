@@ -30,6 +30,16 @@ from model.kernels.common import as_rows, empty_backward, empty_forward
 
 
 @triton.jit
+def _div_n(s, N, ACC: tl.constexpr):
+    """s / N with IEEE rounding. A GPU's fp32 `/` is approximate (~2 ulp): with it, a one-element row's
+    x − mean(x) is not exactly 0, and rstd = 1/√eps blows that up. fp64 division is already exact-rounded."""
+    if ACC == tl.float32:
+        return tl.math.div_rn(s, s * 0 + N)
+    else:
+        return s / N
+
+
+@triton.jit
 def _norm_fwd_kernel(X, RES, W, B, Y, H, MEAN, RSTD, stride_x, stride_res, M, N, eps, offset,
                      IS_RMS: tl.constexpr, HAS_RES: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
                      ROUND_XHAT: tl.constexpr, ACC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -50,10 +60,10 @@ def _norm_fwd_kernel(X, RES, W, B, Y, H, MEAN, RSTD, stride_x, stride_res, M, N,
     if IS_RMS:
         xc = x
     else:
-        mean = tl.sum(x, axis=1) / N
+        mean = _div_n(tl.sum(x, axis=1), N, ACC)
         tl.store(MEAN + rows, mean, mask=row_ok)
         xc = tl.where(mask, x - mean[:, None], 0.0)
-    rstd = tl.math.rsqrt(tl.sum(xc * xc, axis=1) / N + eps)
+    rstd = tl.math.rsqrt(_div_n(tl.sum(xc * xc, axis=1), N, ACC) + eps)
     tl.store(RSTD + rows, rstd, mask=row_ok)
     y = xc * rstd[:, None]
     if HAS_W:
@@ -105,11 +115,11 @@ def _norm_bwd_kernel(DY, DH, H, W, MEAN, RSTD, DX, DW_PART, DB_PART, stride_dy, 
         if HAS_B:
             db += dy
         # dx = rstd · (g − mean(g) − x̂ · mean(g · x̂)); RMSNorm has no mean(g) term
-        c1 = tl.sum(g * xhat, axis=1) / N
+        c1 = _div_n(tl.sum(g * xhat, axis=1), N, ACC)
         if IS_RMS:
             dx = (g - xhat * c1[:, None]) * rstd[:, None]
         else:
-            c2 = tl.sum(g, axis=1) / N
+            c2 = _div_n(tl.sum(g, axis=1), N, ACC)
             dx = (g - c2[:, None] - xhat * c1[:, None]) * rstd[:, None]
         if HAS_DH:  # gradient that reached the residual stream h = x + residual directly
             dx += tl.load(DH + rows[:, None] * stride_dh + cols[None, :], mask=mask, other=0.0).to(ACC)

@@ -1,0 +1,28 @@
+"""Test-only callbacks, attached to real runs through a YAML config (`trainer.callbacks`)."""
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import torch
+from lightning.pytorch import Callback
+
+
+class StopAtStep(Callback):
+    """Ends training after optimizer step `step`, like a job killed between checkpoints: nothing is saved."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer, pl_module, *args) -> None:
+        if trainer.global_step >= self.step:
+            trainer.should_stop = True
+
+
+class RNGProbe(Callback):
+    """Logs one draw from each generator (python, numpy, torch) at every step, summed over ranks, so a
+    resumed run whose RNG state was not restored — on any rank — logs different values."""
+
+    def on_train_batch_start(self, trainer, pl_module, *args) -> None:
+        draw = random.random() + float(np.random.rand()) + float(torch.rand(()))
+        pl_module.log("probe/rng", draw, reduce_fx="sum", sync_dist=True)

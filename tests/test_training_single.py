@@ -1,0 +1,49 @@
+"""A single-process (no DeepSpeed) run: exact resume from Lightning-file checkpoints, and what a run writes."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from tests.helpers.data import make_tiny_corpus
+from tests.helpers.multiproc import REPO, run_normlab
+from tests.helpers.runs import consolidated_state_dict, scalars
+
+pytestmark = pytest.mark.slow
+
+HELPERS = REPO / "tests" / "helpers"
+
+
+def fit(root: Path, name: str, probe: str, *extra: str) -> Path:
+    run_normlab(["fit", "-c", str(HELPERS / "tiny.yaml"), "-c", str(HELPERS / probe), "--data.path",
+                 str(root / "tiny"), "--runs_dir", str(root / "runs"), "--name", name, *extra], cwd=root)
+    return root / "runs" / name
+
+
+def test_single_process_exact_resume_and_run_layout(tmp_path):
+    make_tiny_corpus(tmp_path)
+    straight = fit(tmp_path, "straight", "probe.yaml")
+    resumed = fit(tmp_path, "resumed", "interrupted.yaml")
+    assert max(scalars(resumed, "train/loss")) == 6
+    fit(tmp_path, "resumed", "probe.yaml", "--ckpt_path", "last")
+
+    for tag in ("train/loss", "train/lr", "val/loss", "val/ppl", "probe/rng"):
+        assert scalars(resumed, tag) == scalars(straight, tag), tag
+    final = [consolidated_state_dict(run / "checkpoints" / "step-00000008", tmp_path) for run in (straight, resumed)]
+    assert all(torch.equal(final[0][k], final[1][k]) for k in final[0])
+
+    # The run directory: events, the run's config, and self-describing checkpoints.
+    ckpt = resumed / "checkpoints" / "step-00000008"
+    assert sorted(p.name for p in ckpt.iterdir()) == ["config.yaml", "manifest.json", "model.ckpt",
+                                                       "model_config.json"]
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    assert manifest["format"] == "lightning" and manifest["step"] == 8 and manifest["zero_stage"] is None
+    config = yaml.safe_load((ckpt / "config.yaml").read_text())
+    assert config["model"]["dim"] == 32 and config["name"] == "resumed"
+    assert (resumed / "config.yaml").is_file() and list(resumed.glob("events.out.tfevents.*"))
+    # Everything in the checkpoint (hyper-parameters, RNG states, model config) is plain data.
+    state = torch.load(ckpt / "model.ckpt", weights_only=True)
+    assert len(state["rng_states"]) == 1 and state["model_config"]["dim"] == 32

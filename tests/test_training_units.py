@@ -1,0 +1,187 @@
+"""Fast, single-process tests of the training pieces: optimizer groups, schedule, checkpoint naming and
+resolution, RNG capture/restore, DeepSpeed config lookup, the LitLM override surface."""
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import json
+import math
+import random
+import typing
+
+import numpy as np
+import pytest
+import torch
+
+from model import ModelConfig, Transformer
+from training import checkpoint
+from training.callbacks.rng import capture_rng, restore_rng
+from training.lit_module import LitLM
+from training.optim import OptimConfig, build_optimizer, lr_factor, param_groups
+from training.strategy import ZERO_NAMES, adopt_deepspeed_launcher_env, load_deepspeed_config
+
+
+def tiny(**kw) -> ModelConfig:
+    return ModelConfig.preset(kw.pop("preset", "llama"), vocab_size=64, dim=32, n_layers=2, n_heads=4,
+                              max_seq_len=16, **kw)
+
+
+@pytest.mark.parametrize("preset", ["llama", "gpt2", "qwen3", "post"])
+def test_param_groups_exclude_norms_biases_embeddings(preset):
+    model = Transformer(tiny(preset=preset))
+    groups = {g["name"]: g for g in param_groups(model, OptimConfig(weight_decay=0.1))}
+    decay_ids = {id(p) for p in groups["decay"]["params"]}
+    names = {id(p): n for n, p in model.named_parameters()}
+    # decayed: exactly the matrices of linear layers (the LM head too, unless tied to the embedding)
+    assert {names[i] for i in decay_ids} == {n for n, p in model.named_parameters()
+                                             if p.ndim == 2 and "tok_embeddings" not in n}
+    assert groups["decay"]["weight_decay"] == 0.1 and groups["no_decay"]["weight_decay"] == 0.0
+    # every parameter exactly once (tied embeddings are one parameter)
+    all_ids = [id(p) for g in groups.values() for p in g["params"]]
+    assert len(all_ids) == len(set(all_ids)) == len(list(model.parameters()))
+
+
+def test_param_groups_configurable():
+    model = Transformer(tiny())
+    groups = param_groups(model, OptimConfig(no_decay=()))
+    assert [g["name"] for g in groups] == ["decay"]
+    embed = model.tok_embeddings.weight
+    groups = param_groups(model, OptimConfig(no_decay=("norm",)))
+    assert any(p is embed for p in next(g for g in groups if g["name"] == "decay")["params"])
+
+
+def test_schedule_shapes():
+    cfg = OptimConfig(lr=1.0, min_lr=0.1, warmup_steps=10, schedule="cosine")
+    f = [lr_factor(s, cfg, 110) for s in range(130)]
+    assert f[0] == pytest.approx(0.1) and f[9] == pytest.approx(1.0)  # linear warm-up, first step non-zero
+    assert f[10] == pytest.approx(1.0) and f[60] == pytest.approx(0.55) and f[110] == pytest.approx(0.1)
+    assert all(a >= b for a, b in zip(f[10:], f[11:]))  # monotone decay
+    assert f[129] == pytest.approx(0.1)  # holds min_lr past the end
+    lin = OptimConfig(lr=1.0, min_lr=0.0, warmup_steps=0, schedule="linear", decay_steps=100)
+    assert lr_factor(50, lin, 10**9) == pytest.approx(0.5)  # decay_steps wins over total_steps
+    const = OptimConfig(warmup_steps=5, schedule="constant")
+    assert lr_factor(1000, const, 100) == 1.0
+
+
+def test_build_optimizer_steps_the_schedule():
+    model = Transformer(tiny())
+    opt, sched = build_optimizer(model, OptimConfig(lr=1e-3, min_lr=1e-4, warmup_steps=2), total_steps=10)
+    lrs = []
+    for _ in range(10):
+        lrs.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    assert lrs[0] == pytest.approx(5e-4) and lrs[1] == pytest.approx(1e-3)
+    assert opt.param_groups[0]["lr"] == pytest.approx(1e-4)
+    with pytest.raises(ValueError, match="decay_steps"):
+        build_optimizer(model, OptimConfig(), total_steps=math.inf)
+
+
+@pytest.mark.parametrize("bad", [dict(schedule="exp"), dict(no_decay=("gains",)), dict(min_lr=1.0, lr=0.1),
+                                 dict(warmup_steps=10, decay_steps=5)])
+def test_optim_config_rejects(bad):
+    with pytest.raises(ValueError, match="optim"):
+        OptimConfig(**bad)
+
+
+def test_rng_capture_restore_roundtrip():
+    random.seed(1), np.random.seed(1), torch.manual_seed(1)
+    state = capture_rng()
+    expected = (random.random(), np.random.rand(), torch.rand(3))
+    random.random(), np.random.rand(5), torch.rand(7)  # move every generator on
+    restore_rng(state)
+    assert random.random() == expected[0] and np.random.rand() == expected[1]
+    assert torch.equal(torch.rand(3), expected[2])
+    # plain values and tensors only: loadable with weights_only=True
+    import io
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    buf.seek(0)
+    restore_rng(torch.load(buf, weights_only=True))
+    assert random.random() == expected[0]
+
+
+def _fake_ckpt(run_dir, step, fmt="deepspeed", complete=True):
+    d = checkpoint.checkpoints_dir(run_dir) / checkpoint.step_dirname(step)
+    d.mkdir(parents=True)
+    if complete:
+        (d / checkpoint.MANIFEST).write_text(json.dumps({"step": step, "format": fmt}))
+    return d
+
+
+def test_checkpoint_naming_and_last(tmp_path):
+    assert checkpoint.step_dirname(42) == "step-00000042"
+    assert checkpoint.resolve("last", tmp_path) == (None, None)  # nothing yet: start fresh
+    _fake_ckpt(tmp_path, 100)
+    newest = _fake_ckpt(tmp_path, 1000)
+    _fake_ckpt(tmp_path, 2000, complete=False)  # being written / crashed mid-save: never "last"
+    (checkpoint.checkpoints_dir(tmp_path) / "step-junk").mkdir()
+    assert checkpoint.resolve("last", tmp_path) == (str(newest), 1000)  # numeric order, complete only
+    lightning = _fake_ckpt(tmp_path / "other", 7, fmt="lightning")
+    assert checkpoint.resolve(str(lightning), tmp_path) == (str(lightning / checkpoint.LIGHTNING_FILE), 7)
+    assert checkpoint.resolve(None, tmp_path) == (None, None)
+    with pytest.raises(FileNotFoundError):
+        checkpoint.resolve(str(tmp_path / "missing"), tmp_path)
+    with pytest.raises(FileExistsError, match="--ckpt_path last"):
+        checkpoint.check_fresh_run(tmp_path)
+    checkpoint.check_fresh_run(tmp_path / "new-run")
+
+
+def test_check_format(tmp_path):
+    d = _fake_ckpt(tmp_path, 5)
+    checkpoint.check_format(str(d), deepspeed=True)
+    with pytest.raises(ValueError, match="DeepSpeed checkpoint"):
+        checkpoint.check_format(str(d), deepspeed=False)
+    f = tmp_path / "x.ckpt"
+    f.write_text("")
+    with pytest.raises(ValueError, match="Lightning checkpoint file"):
+        checkpoint.check_format(str(f), deepspeed=True)
+
+
+@pytest.mark.parametrize("name", ZERO_NAMES)
+def test_zero_configs(name):
+    cfg = load_deepspeed_config(name)
+    assert cfg["zero_optimization"]["stage"] == int(name[-1])
+    # Lightning fills these from the Trainer; DeepSpeed refuses a config that sets them twice
+    assert "gradient_accumulation_steps" not in cfg and "train_micro_batch_size_per_gpu" not in cfg
+    assert cfg["zero_allow_untested_optimizer"]  # our torch AdamW is a "client" optimizer
+
+
+def test_deepspeed_config_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="zero1"):
+        load_deepspeed_config("zero9")
+    path = tmp_path / "mine.json"
+    path.write_text('{"zero_optimization": {"stage": 2}}')
+    assert load_deepspeed_config(str(path))["zero_optimization"]["stage"] == 2
+
+
+def test_deepspeed_launcher_node_rank():
+    env = {"CROSS_RANK": "3"}
+    adopt_deepspeed_launcher_env(env)
+    assert env["NODE_RANK"] == "3"
+    env = {"CROSS_RANK": "3", "NODE_RANK": "1"}
+    adopt_deepspeed_launcher_env(env)
+    assert env["NODE_RANK"] == "1"
+
+
+def test_litlm_exposes_every_model_field():
+    """`--model.<field>` must exist for every ModelConfig field, typed as Optional[the field's type]:
+    a new model field is a deliberate change here too."""
+    params = inspect.signature(LitLM.__init__).parameters
+    hints = typing.get_type_hints(LitLM.__init__)
+    model_hints = typing.get_type_hints(ModelConfig)
+    fields = [f.name for f in dataclasses.fields(ModelConfig)]
+    assert [p for p in params if p not in ("self", "preset", "optim")] == fields
+    for name in fields:
+        assert params[name].default is None
+        assert set(typing.get_args(hints[name])) - {type(None)} == set(typing.get_args(model_hints[name]) or
+                                                                        (model_hints[name],)) - {type(None)}
+
+
+def test_litlm_overrides_and_fail_fast():
+    lit = LitLM(preset="olmo2", dim=64, n_heads=4, placement="post")
+    cfg = lit.model_config()
+    assert (cfg.placement, cfg.qk_norm, cfg.dim, cfg.n_layers) == ("post", "full", 64, 4)
+    assert lit.hparams["optim"]["lr"] == OptimConfig().lr and lit.hparams["placement"] == "post"
+    with pytest.raises(ValueError, match="placement"):
+        LitLM(placement="middle")

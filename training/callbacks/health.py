@@ -1,0 +1,148 @@
+"""Training-health metrics in TensorBoard: residual growth, softmax saturation, gradient flow.
+
+Every `every_n_steps` optimizer steps, and at step 0 (an init audit), the first micro-batch of the step runs
+with a `model.probes.Recorder` attached (residual-stream RMS and update ratios per layer, softmax statistics
+from sampled query rows), and after its backward the per-layer gradient norms are read — correctly under
+ZeRO 1/2/3, where `p.grad` is partitioned or None, through DeepSpeed's `safe_get_full_grad` (called by every
+rank in the same order: it is a collective). On other steps nothing is attached and nothing runs.
+
+The values are rank 0's (its micro-batch; gradients are already reduced over ranks) and go straight to the
+TensorBoard writer, with a custom-scalar layout that puts all layers of a metric in one chart.
+"""
+from __future__ import annotations
+
+import logging
+import re
+from typing import Any
+
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
+
+from model.probes import grad_norms, record
+from training.strategy import is_deepspeed
+
+log = logging.getLogger(__name__)
+
+# Chart title → (regex over tags); each chart shows every layer of one metric.
+LAYOUT = {
+    "Residual growth": {
+        "stream RMS entering block": r"resid/rms/L\d+",
+        "attention update / stream": r"resid/update_ratio/attn/L\d+",
+        "MLP update / stream": r"resid/update_ratio/mlp/L\d+",
+        "attention reads (RMS after norm)": r"resid/read_rms/attn/L\d+",
+        "final-norm input RMS": r"resid/final_in",
+    },
+    "Softmax saturation": {
+        "max attention probability (mean over heads)": r"attn/max_prob/L\d+",
+        "normalized entropy": r"attn/entropy/L\d+",
+        "saturated fraction": r"attn/saturated_frac/L\d+",
+        "max pre-softmax logit": r"attn/max_logit/L\d+",
+        "max logit, worst head": r"attn/max_logit_worst/L\d+",
+    },
+    "Gradient flow": {
+        "gradient norm per block": r"grad/norm/L\d+",
+        "global gradient norm": r"grad/global",
+        "parameter norm per block": r"param/norm/L\d+",
+        "QK-norm gains (mean)": r"qk_gain/(q|k)/mean/L\d+",
+        "DeepSpeed skipped steps": r"train/skipped_steps",
+    },
+}
+
+
+def _full_param(param: torch.nn.Parameter, deepspeed: bool) -> torch.Tensor:
+    if deepspeed:
+        from deepspeed.utils import safe_get_full_fp32_param
+
+        full = safe_get_full_fp32_param(param)
+        if full is not None:
+            return full
+    return param.detach()
+
+
+class TrainingHealth(Callback):
+    def __init__(self, every_n_steps: int = 50, histogram_every_n_steps: int = 500, attn_rows: int = 64,
+                 saturation_threshold: float = 0.99) -> None:
+        if every_n_steps < 0 or histogram_every_n_steps < 0:
+            raise ValueError("metrics every_n_steps and histogram_every_n_steps must be >= 0 (0 disables)")
+        self.every_n_steps, self.histogram_every_n_steps = every_n_steps, histogram_every_n_steps
+        self.attn_rows, self.threshold = attn_rows, saturation_threshold
+        self._probe = None  # the active `record(...)` context on a metrics step
+        self._values: dict[str, float] = {}
+
+    def _due(self, step: int, every: int) -> bool:
+        return every > 0 and step % every == 0
+
+    # -- layout ------------------------------------------------------------------------------------------
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        writer = self._writer(trainer)
+        if writer is not None and self.every_n_steps:
+            writer.add_custom_scalars({chart: {title: ["Multiline", [regex]] for title, regex in charts.items()}
+                                       for chart, charts in LAYOUT.items()})
+
+    # -- probes around the first micro-batch of a metrics step ---------------------------------------------
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        first_micro = batch_idx % trainer.accumulate_grad_batches == 0
+        if first_micro and self._due(trainer.global_step, self.every_n_steps):
+            self._probe = record(pl_module.model, attn_rows=self.attn_rows, saturation_threshold=self.threshold)
+            self._values = {}
+            self._recorder = self._probe.__enter__()
+
+    def on_before_backward(self, trainer: Trainer, pl_module: LightningModule, loss: torch.Tensor) -> None:
+        if self._probe is not None:  # the forward is done: detach before backward (and before any recompute)
+            self._probe.__exit__(None, None, None)
+            self._probe = None
+            self._values.update(self._recorder.scalars())
+
+    def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Any) -> None:
+        step = trainer.global_step
+        if not self._due(step, self.every_n_steps):
+            return
+        model, deepspeed = pl_module.model, is_deepspeed(trainer.strategy)
+        grad_of = None
+        if deepspeed:
+            from deepspeed.utils import safe_get_full_grad
+
+            grad_of = safe_get_full_grad
+        self._values.update(grad_norms(model, grad_of) if grad_of else grad_norms(model))
+        self._values.update(self._param_stats(model, deepspeed))
+        if deepspeed:
+            self._values["train/skipped_steps"] = float(trainer.strategy.deepspeed_engine.skipped_steps)
+        if trainer.is_global_zero and trainer.logger is not None:
+            trainer.logger.log_metrics(self._values, step=step)
+        if self._due(step, self.histogram_every_n_steps):
+            self._histograms(trainer, model, deepspeed, step)
+        self._values = {}
+
+    def _param_stats(self, model: torch.nn.Module, deepspeed: bool) -> dict[str, float]:
+        """Per-block parameter norms and QK-norm gain statistics (gathered under ZeRO-3)."""
+        sq: dict[str, torch.Tensor] = {}
+        out: dict[str, float] = {}
+        for name, p in model.named_parameters():
+            full = _full_param(p, deepspeed).float()
+            m = re.match(r"layers\.(\d+)\.", name)
+            if m:
+                key = f"param/norm/L{m.group(1)}"
+                sq[key] = sq.get(key, 0) + full.pow(2).sum()
+                qk = re.match(r"layers\.(\d+)\.attn\.(q|k)_norm\.weight", name)
+                if qk:
+                    tag = f"{qk.group(2)}/%s/L{qk.group(1)}"
+                    out.update({f"qk_gain/{tag % 'mean'}": full.mean().item(),
+                                f"qk_gain/{tag % 'max'}": full.max().item(),
+                                f"qk_gain/{tag % 'min'}": full.min().item()})
+        out.update({k: v.sqrt().item() for k, v in sq.items()})
+        return out
+
+    def _histograms(self, trainer: Trainer, model: torch.nn.Module, deepspeed: bool, step: int) -> None:
+        writer = self._writer(trainer)
+        for name, p in model.named_parameters():
+            if "norm" in name:  # gains: where normalization's learned scale goes
+                full = _full_param(p, deepspeed)
+                if writer is not None:
+                    writer.add_histogram(f"hist/{name}", full.float().cpu(), step)
+
+    @staticmethod
+    def _writer(trainer: Trainer):
+        if not trainer.is_global_zero or trainer.logger is None:
+            return None
+        experiment = getattr(trainer.logger, "experiment", None)
+        return experiment if hasattr(experiment, "add_custom_scalars") else None

@@ -1,0 +1,97 @@
+"""The `normlab` command.
+
+    normlab prepare ...                       build a tokenizer + token files (data.prepare)
+    normlab fit | validate | test [options]   LightningCLI: YAML configs (-c), dotted overrides, --print_config
+    normlab evaluate | export | generate | study     plain commands (see COMMANDS)
+
+`normlab fit` with no arguments is the default job: it prepares the default corpus if needed and trains a
+small (~7.4M parameter) Llama-style model, fp32 on CPU (bf16-mixed on a GPU), logging to `runs/default/`.
+
+Run layout: `--runs_dir`/`--name` (default `runs/default`) holds the TensorBoard events, `config.yaml` and
+`checkpoints/step-XXXXXXXX/` (see training/checkpoint.py). `--ckpt_path last` resumes the newest complete
+checkpoint — or starts fresh when there is none, so one command both starts and resumes a job.
+"""
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import sys
+from typing import Any
+
+LIGHTNING_SUBCOMMANDS = ("fit", "validate", "test")
+# Plain commands: name → ("module:function", one-line help). The function takes the remaining argv and returns
+# an exit code; it is imported only when run, so `normlab prepare` does not pay for importing Lightning.
+COMMANDS: dict[str, tuple[str, str]] = {
+    "prepare": ("data.prepare:main", "build a tokenizer and token files from text (default: the built-in corpus)"),
+    "evaluate": ("training.evaluate:main", "loss, perplexity and bits per byte of a saved checkpoint"),
+    "export": ("training.export:main", "a checkpoint as a Hugging Face directory"),
+    "generate": ("training.sample:main", "continue a prompt with a saved checkpoint"),
+    "study": ("training.study:main", "the normalization study: a grid of small runs, plots and a report"),
+}
+
+
+def usage() -> str:
+    lines = [f"  {'fit | validate | test':24} train / validate / test a model (LightningCLI: YAML configs, "
+             "dotted overrides)"]
+    lines += [f"  {name:24} {help_}" for name, (_, help_) in COMMANDS.items()]
+    return ("usage: normlab <command> [options]          (normlab <command> --help for each)\n\n"
+            + "\n".join(lines) + "\n\n`normlab fit` with no options trains the default small model on the "
+            "default corpus (a CPU is enough).\n")
+
+
+def _is_rank_zero() -> bool:
+    """Lightning's notion of the global rank once it is imported and set; the launcher's env vars before."""
+    rank_zero = sys.modules.get("lightning_utilities.core.rank_zero")  # home of Lightning's rank_zero_only
+    rank = getattr(getattr(rank_zero, "rank_zero_only", None), "rank", None)
+    if rank is None:
+        rank = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", os.environ.get("LOCAL_RANK", 0))))
+    return rank == 0
+
+
+def _setup_logging() -> None:
+    """INFO from normlab's own loggers on rank 0; warnings and errors from every rank. (Without importing
+    Lightning: `normlab prepare` should not pay for it.)"""
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("[%(asctime)s %(name)s] %(message)s", "%H:%M:%S"))
+    handler.addFilter(lambda record: record.levelno >= logging.WARNING or _is_rank_zero())
+    for name in ("training", "data", "model"):
+        logger = logging.getLogger(name)
+        if not logger.handlers:
+            logger.addHandler(handler)
+            logger.setLevel(logging.INFO)
+            logger.propagate = False  # a command's own basicConfig must not print each line twice
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the `normlab` console script."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        sys.stdout.write(usage())
+        return 0 if argv else 2
+    command = argv[0]
+    _setup_logging()
+    if command in LIGHTNING_SUBCOMMANDS:
+        from training.strategy import adopt_deepspeed_launcher_env
+
+        adopt_deepspeed_launcher_env(os.environ)
+        # LightningCLI reads sys.argv itself when args is None (and warns when given both).
+        run_lightning(None if argv == sys.argv[1:] else argv)
+        return 0
+    if command in COMMANDS:
+        module, function = COMMANDS[command][0].split(":")
+        return int(getattr(importlib.import_module(module), function)(argv[1:]) or 0)
+    sys.stderr.write(f"normlab: unknown command {command!r}; choose one of "
+                     f"{[*LIGHTNING_SUBCOMMANDS, *COMMANDS]}\n\n{usage()}")
+    return 2
+
+
+def run_lightning(argv: list[str] | None) -> Any:
+    """`normlab fit|validate|test ...`: build and run the LightningCLI."""
+    from training.lightning_cli import NormlabCLI
+
+    return NormlabCLI(args=argv)
+
+
+if __name__ == "__main__":  # `python -m training.cli` — what the multi-process tests and launchers run
+    sys.exit(main())

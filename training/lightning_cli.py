@@ -1,0 +1,121 @@
+"""NormlabCLI: LightningCLI wired to LitLM + TokenDataModule, with normlab's run directory conventions.
+
+Config groups (all settable in YAML via `-c` and as dotted flags):
+  model.*       LitLM: `preset` plus any ModelConfig field (`--model.placement post`)
+  optim.*       OptimConfig: AdamW + LR schedule (`--optim.lr 3e-4`)
+  data.*        TokenDataModule (`--data.path`, `--data.seq_len`, `--data.batch_size`)
+  trainer.*     Lightning Trainer (`--trainer.max_steps`, `--trainer.devices`, `--trainer.strategy zero2`)
+  checkpoint.*  StepCheckpoint (`--checkpoint.every_n_steps`)
+  throughput.*  Throughput (`--throughput.peak_tflops`)
+  name, runs_dir, ckpt_path, seed_everything
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from lightning.pytorch import Trainer
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from lightning.pytorch.loggers import TensorBoardLogger
+
+from data.datamodule import TokenDataModule
+from training import checkpoint
+from training.callbacks import RNGState, Throughput
+from training.checkpoint import StepCheckpoint
+from training.lit_module import LitLM
+from training.optim import OptimConfig
+from training.strategy import default_precision, is_deepspeed  # also registers --trainer.strategy zeroN
+
+# The default job (ModelConfig's defaults are the default model: llama preset, dim 256, 4 layers, 8 heads;
+# the datamodule's defaults are the default corpus, seq 256, batch 8). 300 steps is a few minutes on 2 CPU
+# cores. configs/default.yaml spells out the same values; a test keeps the two equal.
+TRAINER_DEFAULTS: dict[str, Any] = {
+    "max_steps": 300,
+    "val_check_interval": 100,  # in micro-batches, counted across epochs (check_val_every_n_epoch: null)
+    "check_val_every_n_epoch": None,
+    "num_sanity_val_steps": 0,
+    "log_every_n_steps": 10,
+    "gradient_clip_val": 1.0,
+    "enable_checkpointing": False,  # StepCheckpoint (the `checkpoint` group) saves instead
+}
+SEED = 1234
+
+
+def run_dir(runs_dir: str, name: str) -> str:
+    return str(Path(runs_dir) / name)
+
+
+def run_logger(run_dir: str | Path, purge_step: int | None) -> TensorBoardLogger:
+    """TensorBoard events directly in the run directory (a fixed version, so a resumed run appends to the same
+    run). `purge_step`: TensorBoard discards events at or after this step written before the restart — the
+    points a crashed run logged after its last checkpoint — so resumed curves have no stale duplicates."""
+    path = Path(run_dir)
+    return TensorBoardLogger(save_dir=str(path.parent), name=path.name, version="", default_hp_metric=False,
+                             purge_step=purge_step)
+
+
+class NormlabCLI(LightningCLI):
+    """`normlab fit | validate | test`; `args` as on the command line (None: sys.argv)."""
+
+    def __init__(self, args: list[str] | None = None) -> None:
+        self._purge_step: int | None = None
+        super().__init__(
+            LitLM,
+            TokenDataModule,
+            trainer_defaults=TRAINER_DEFAULTS,
+            seed_everything_default=SEED,
+            save_config_kwargs={"overwrite": True},  # runs/<name>/config.yaml: rewritten on resume
+            auto_configure_optimizers=False,  # LitLM.configure_optimizers builds groups + schedule
+            parser_kwargs={"prog": "normlab", "description": "Train and evaluate normlab language models."},
+            args=args,
+        )
+
+    def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        parser.add_argument("--name", type=str, default="default",
+                            help="Run name: events, config and checkpoints go to <runs_dir>/<name>/")
+        parser.add_argument("--runs_dir", type=str, default="runs", help="Directory holding all runs")
+        # The run directory is the trainer's default_root_dir, derived here and nowhere else.
+        parser.link_arguments(("runs_dir", "name"), "trainer.default_root_dir", compute_fn=run_dir)
+        parser.add_class_arguments(OptimConfig, "optim")
+        parser.link_arguments("optim", "model.optim", apply_on="instantiate")
+        parser.add_lightning_class_args(StepCheckpoint, "checkpoint")
+        parser.add_lightning_class_args(Throughput, "throughput")
+
+    def before_instantiate_classes(self) -> None:
+        config = self.config[self.subcommand]
+        root = config.trainer.default_root_dir
+        requested = config.ckpt_path
+        config.ckpt_path, resumed_step = checkpoint.resolve(requested, root)
+        if self.subcommand == "fit":
+            if requested is None:
+                checkpoint.check_fresh_run(root)
+            # TensorBoard: drop what a crashed run logged after its checkpoint (steps > the checkpoint's, see
+            # LitLM._log_eval for the step convention); everything on a fresh start.
+            self._purge_step = resumed_step + 1 if resumed_step is not None else 0
+        if config.trainer.precision is None:
+            config.trainer.precision = default_precision(config.trainer.accelerator)
+
+    def instantiate_trainer(self, **kwargs: Any) -> Trainer:
+        config = self._get(self.config_init, "trainer", default={})
+        if config.get("logger") in (None, True):  # the default; False disables, a class replaces it
+            kwargs["logger"] = run_logger(config["default_root_dir"], self._purge_step)
+        extra_callbacks = [self._get(self.config_init, c) for c in self._parser(self.subcommand).callback_keys]
+        trainer = self._instantiate_trainer({**config, **kwargs}, extra_callbacks)
+        # First of all callbacks: every other callback's on_train_batch_start must see the restored RNG stream.
+        trainer.callbacks.insert(0, RNGState())
+        return trainer
+
+    def _check_checkpoint_format(self) -> None:
+        ckpt_path = self.config[self.subcommand].ckpt_path
+        if ckpt_path:
+            checkpoint.check_format(ckpt_path, is_deepspeed(self.trainer.strategy))
+
+    before_validate = before_test = _check_checkpoint_format
+
+    def before_fit(self) -> None:
+        self._check_checkpoint_format()
+        config = self.config[self.subcommand]
+        text = self._parser(self.subcommand).dump(config, skip_unset=False)  # nulls too: a complete record
+        for callback in self.trainer.callbacks:
+            if isinstance(callback, StepCheckpoint):
+                callback.resolved_config = text

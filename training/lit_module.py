@@ -1,0 +1,135 @@
+"""LitLM: the LightningModule that trains a `model.Transformer` with next-token cross-entropy.
+
+Thin on purpose: the optimizer and schedule live in `optim.py`, DeepSpeed in `strategy.py`, checkpoints in
+`checkpoint.py`, throughput and RNG in `callbacks/`.
+
+The model fields are keyword arguments here (each None = "the preset's value") so that LightningCLI exposes
+them as `--model.<field>`, e.g. `--model.placement post`. `vocab_size` and `max_seq_len` default to the data's
+tokenizer and sequence length, read at setup — after `prepare_data` has built the corpus if it was missing.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import torch
+from lightning.pytorch import LightningModule
+from torch import Tensor
+
+from model import ModelConfig, Transformer
+from training.optim import OptimConfig, build_optimizer
+
+
+class LitLM(LightningModule):
+    """Next-token language modelling of a `model.Transformer` built from `preset` + field overrides."""
+
+    def __init__(
+        self,
+        preset: str = "llama",
+        vocab_size: int | None = None,  # None: the tokenizer's
+        dim: int | None = None,
+        n_layers: int | None = None,
+        n_heads: int | None = None,
+        n_kv_heads: int | None = None,
+        ffn_dim: int | None = None,
+        max_seq_len: int | None = None,  # None: the data's seq_len
+        rope_theta: float | None = None,
+        tie_embeddings: bool | None = None,
+        bias: bool | None = None,
+        norm: str | None = None,
+        norm_eps: float | None = None,
+        norm_offset: bool | None = None,
+        norm_cast: str | None = None,
+        placement: str | None = None,
+        qk_norm: str | None = None,
+        final_norm: bool | str | None = None,
+        init: str | None = None,
+        init_std: float | None = None,
+        kernels: str | None = None,
+        optim: OptimConfig | None = None,
+    ) -> None:
+        """`preset` (see `model.PRESETS`) plus any `ModelConfig` field; `optim` is the `--optim.*` group."""
+        super().__init__()
+        # Every argument but preset and optim is a ModelConfig field (a test keeps the two lists equal).
+        args = {k: v for k, v in locals().items() if k not in ("self", "__class__", "preset", "optim")}
+        self.preset = preset
+        self.overrides = {k: v for k, v in args.items() if v is not None}
+        self.optim = OptimConfig(**optim) if isinstance(optim, dict) else (optim or OptimConfig())
+        ModelConfig.preset(preset, **self.overrides)  # fail on a bad value now, not after processes start
+        # Plain values only, so checkpoints stay loadable with weights_only=True (no pickled dataclasses).
+        self.save_hyperparameters(ignore=["optim"])
+        self.hparams["optim"] = dataclasses.asdict(self.optim)
+        self.config: ModelConfig | None = None
+        self.model: Transformer | None = None
+
+    def model_config(self) -> ModelConfig:
+        """The preset with the overrides; vocab_size and max_seq_len from the datamodule unless given."""
+        overrides = dict(self.overrides)
+        datamodule = self._trainer.datamodule if self._trainer is not None else None
+        if datamodule is not None:
+            overrides.setdefault("vocab_size", datamodule.vocab_size)
+            overrides.setdefault("max_seq_len", datamodule.seq_len)
+        config = ModelConfig.preset(self.preset, **overrides)
+        if datamodule is not None:
+            datamodule.check_model(config.vocab_size, config.max_seq_len)
+        return config
+
+    def configure_model(self) -> None:
+        # Built here, not in __init__: under ZeRO-3 Lightning calls this inside deepspeed.zero.Init, so each
+        # parameter is partitioned as it is created and no rank ever holds the full model.
+        if self.model is None:
+            self.config = self.model_config()
+            self.model = Transformer(self.config)
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        return self.model(tokens)
+
+    def loss(self, batch: Tensor) -> Tensor:
+        """Mean next-token cross-entropy of a batch [B, T+1]: inputs batch[:, :-1], targets batch[:, 1:].
+        The model's chunked LM-head loss: the [B, T, vocab] logits are never materialized."""
+        return self.model(batch[:, :-1], targets=batch[:, 1:])
+
+    def training_step(self, batch: Tensor, batch_idx: int) -> Tensor:
+        loss = self.loss(batch)
+        self.log("step", float(self.global_step + 1))  # logged at the update's number (see _log_eval)
+        self.log("train/loss", loss, sync_dist=True)  # mean over ranks (of the step's last micro-batch)
+        self.log("train/lr", self.lr_schedulers().get_last_lr()[0])
+        self.log("loss", loss, prog_bar=True, logger=False)  # short name for the progress bar
+        return loss
+
+    # Validation/test: an exact mean over all batches of all ranks (sum and count, reduced once), so
+    # val/ppl is exactly exp(val/loss).
+    def on_validation_epoch_start(self) -> None:
+        self._eval_sums = torch.zeros(2, dtype=torch.float64, device=self.device)
+
+    def validation_step(self, batch: Tensor, batch_idx: int) -> None:
+        self._eval_sums += torch.stack([self.loss(batch).double(), self._eval_sums.new_ones(())])
+
+    def on_validation_epoch_end(self) -> None:
+        self._log_eval("val")
+
+    on_test_epoch_start = on_validation_epoch_start
+    test_step = validation_step
+
+    def on_test_epoch_end(self) -> None:
+        self._log_eval("test")
+
+    def _log_eval(self, split: str) -> None:
+        total, count = self.trainer.strategy.reduce(self._eval_sums, reduce_op="sum").tolist()
+        loss = total / max(count, 1)
+        # TensorBoard step = updates done: train/loss at s is the loss of update s, val/loss at s is measured
+        # on the weights after s updates — those of checkpoint step-s. (Lightning's default, the 0-based batch
+        # index, is one less; it would also put a checkpoint's validation on the far side of a resume purge.)
+        # The values are already identical on every rank; sync_dist only keeps Lightning from warning.
+        if self.trainer.state.fn == "fit":  # (validate/test do not restore global_step: Lightning's default)
+            self.log("step", float(self.global_step), sync_dist=True)
+        self.log(f"{split}/loss", loss, sync_dist=True)
+        self.log(f"{split}/ppl", math.exp(loss) if loss < 700 else math.inf, sync_dist=True)  # exp overflows >709
+
+    def configure_optimizers(self) -> dict[str, Any]:
+        optimizer, schedule = build_optimizer(self.model, self.optim, self.trainer.estimated_stepping_batches)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint["model_config"] = self.config.to_dict()  # how to rebuild the Transformer from this file

@@ -1,0 +1,102 @@
+"""AdamW with parameter groups, and the warm-up + decay learning-rate schedule.
+
+Weight decay pulls weights towards zero. On norm gains that fights the gain's job (it should sit near 1),
+on biases it buys nothing, and on embeddings it shrinks rarely-seen tokens' rows every step — so by default
+those three kinds get no decay (GPT-3, LLaMA, OLMo all exclude gains and biases; most exclude embeddings).
+Kinds are read from the module that owns the parameter, not from its name, so a new norm class or layer
+name cannot silently fall into the wrong group.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+from torch import nn
+
+from model.layers import Embedding
+from model.norms import Norm
+
+SCHEDULES = ("cosine", "linear", "constant")
+PARAM_KINDS = ("norm", "bias", "embedding", "weight")
+
+
+@dataclass(frozen=True, kw_only=True)
+class OptimConfig:
+    """AdamW hyper-parameters and the LR schedule: `warmup_steps` linear warm-up to `lr`, then `schedule` down
+    to `min_lr` at step `decay_steps` (None: the trainer's total steps), then `min_lr`."""
+
+    lr: float = 1e-3
+    min_lr: float = 1e-4
+    warmup_steps: int = 30
+    schedule: str = "cosine"
+    decay_steps: int | None = None
+    weight_decay: float = 0.1
+    no_decay: tuple[str, ...] = ("norm", "bias", "embedding")
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+
+    def __post_init__(self) -> None:
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"optim.schedule={self.schedule!r} is not valid; choose one of {list(SCHEDULES)}")
+        unknown = set(self.no_decay) - set(PARAM_KINDS)
+        if unknown:
+            raise ValueError(f"optim.no_decay has unknown kind(s) {sorted(unknown)}; valid: {list(PARAM_KINDS)}")
+        if not (self.lr > 0 and 0 <= self.min_lr <= self.lr):
+            raise ValueError(f"optim needs lr > 0 and 0 <= min_lr <= lr, got lr={self.lr}, min_lr={self.min_lr}")
+        if self.warmup_steps < 0 or (self.decay_steps is not None and self.decay_steps <= self.warmup_steps):
+            raise ValueError(
+                f"optim needs warmup_steps >= 0 and decay_steps > warmup_steps, "
+                f"got warmup_steps={self.warmup_steps}, decay_steps={self.decay_steps}"
+            )
+
+
+def param_kind(owner: nn.Module, name: str) -> str:
+    """Which of PARAM_KINDS the parameter `name` of module `owner` is."""
+    if isinstance(owner, Norm):
+        return "norm"  # gains, and LayerNorm's bias: a norm parameter first
+    if isinstance(owner, (Embedding, nn.Embedding)):
+        return "embedding"
+    return "bias" if name == "bias" else "weight"
+
+
+def param_groups(model: nn.Module, cfg: OptimConfig) -> list[dict]:
+    """Two AdamW groups, "decay" and "no_decay" (empty ones dropped); each parameter appears once, even when
+    tied (the LM head sharing the embedding is one parameter and counts as an embedding)."""
+    seen: set[int] = set()
+    groups: dict[str, list[nn.Parameter]] = {"decay": [], "no_decay": []}
+    for module in model.modules():
+        for name, p in module.named_parameters(recurse=False):
+            if id(p) in seen or not p.requires_grad:
+                continue
+            seen.add(id(p))
+            groups["no_decay" if param_kind(module, name) in cfg.no_decay else "decay"].append(p)
+    decay = {"decay": cfg.weight_decay, "no_decay": 0.0}
+    return [{"name": k, "params": ps, "weight_decay": decay[k]} for k, ps in groups.items() if ps]
+
+
+def lr_factor(step: int, cfg: OptimConfig, total_steps: int) -> float:
+    """The multiplier on `cfg.lr` for optimizer step `step` (0-based)."""
+    if step < cfg.warmup_steps:
+        return (step + 1) / cfg.warmup_steps  # the first step already moves: lr/warmup, not 0
+    end = cfg.decay_steps or total_steps
+    floor = cfg.min_lr / cfg.lr
+    if cfg.schedule == "constant" or end <= cfg.warmup_steps:
+        return 1.0
+    progress = min(1.0, (step - cfg.warmup_steps) / (end - cfg.warmup_steps))
+    if cfg.schedule == "linear":
+        return 1.0 - (1.0 - floor) * progress
+    return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def build_optimizer(
+    model: nn.Module, cfg: OptimConfig, total_steps: int
+) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
+    """AdamW over `param_groups` and a per-step LambdaLR. `total_steps` is used when `cfg.decay_steps` is None."""
+    if cfg.decay_steps is None and not (0 < total_steps < math.inf):
+        raise ValueError("optim.decay_steps is unset and the trainer's total steps are unknown: set one of "
+                         "--optim.decay_steps or --trainer.max_steps")
+    optimizer = torch.optim.AdamW(param_groups(model, cfg), lr=cfg.lr, betas=cfg.betas, eps=cfg.eps)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, partial(lr_factor, cfg=cfg, total_steps=int(total_steps)))
+    return optimizer, schedule

@@ -1,0 +1,150 @@
+"""DeepSpeed ZeRO for normlab: configs by name, and Lightning's DeepSpeedStrategy made to run on CPU.
+
+`DeepSpeed(config="zero2")` reads `configs/deepspeed/zero2.json` (or any JSON path / dict). The names
+`zero1`, `zero2`, `zero3` are registered with Lightning, so `--trainer.strategy zero3` selects one.
+
+On CUDA this is Lightning's stock strategy (only the micro-batch size is read from the datamodule, see
+`_auto_select_batch_size`). Lightning refuses DeepSpeed on other accelerators, but
+DeepSpeed itself runs on CPU with gloo (its CPU accelerator). Three small overrides make the same strategy
+train for real on CPU — which is how the multi-process tests exercise ZeRO without a GPU (see DESIGN.md):
+
+1. `setup_environment`: the parent only adds a CUDA-accelerator check before DDP's environment setup; skip it.
+2. `setup_distributed`: skip `_validate_device_index_selection` (CPU devices have no index); the rest is the
+   parent's: reset the seed, set world ranks, `deepspeed.init_distributed`.
+3. `deepspeed.initialize(args=Namespace(device_rank=root_device.index))`: the index is None on CPU and the
+   engine fails on `None >= 0`; pass 0 (DeepSpeed's CPU accelerator ignores it).
+
+Plus one robustness fix: DeepSpeed's torch backend JIT-compiles a shared-memory all-reduce op with g++ when it
+starts (~60-90 s the first time, a crash without a compiler). That op only serves DeepSpeed's *inference*
+all-reduce (tensor-parallel inference kernels); training never calls it, so on CPU it is not built.
+"""
+from __future__ import annotations
+
+import importlib
+import json
+from collections.abc import Callable, Iterator, MutableMapping
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.pytorch.accelerators import CUDAAccelerator
+from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, Strategy, StrategyRegistry
+
+# The JSON files are the source of truth for each stage; they live with the other recipes in configs/.
+DEEPSPEED_CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs" / "deepspeed"
+ZERO_NAMES = ("zero1", "zero2", "zero3")
+
+
+def load_deepspeed_config(config: str | Path | dict) -> dict:
+    """A DeepSpeed config from a name in configs/deepspeed (`zero2`), a JSON path, or a dict (copied)."""
+    if isinstance(config, dict):
+        return json.loads(json.dumps(config))
+    path = Path(config)
+    if path.suffix != ".json" and len(path.parts) == 1:  # a bare name
+        path = DEEPSPEED_CONFIG_DIR / f"{config}.json"
+    if not path.is_file():
+        available = sorted(p.stem for p in DEEPSPEED_CONFIG_DIR.glob("*.json"))
+        raise FileNotFoundError(f"DeepSpeed config {str(config)!r} not found (looked for {path}); "
+                                f"give a JSON path or one of {available}")
+    with open(path) as f:
+        return json.load(f)
+
+
+def is_deepspeed(strategy: Strategy) -> bool:
+    """Whether checkpoints of `strategy` are DeepSpeed directories (vs. Lightning files)."""
+    return isinstance(strategy, DeepSpeedStrategy)
+
+
+@contextmanager
+def _patched(owner: Any, name: str, wrap: Callable[[Callable], Callable]) -> Iterator[None]:
+    """Temporarily replace `owner.name` with `wrap(original)`."""
+    original = getattr(owner, name)
+    setattr(owner, name, wrap(original))
+    try:
+        yield
+    finally:
+        setattr(owner, name, original)
+
+
+def _with_device_rank_zero(initialize: Callable) -> Callable:
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if getattr(kwargs.get("args"), "device_rank", 0) is None:
+            kwargs["args"].device_rank = 0
+        return initialize(*args, **kwargs)
+
+    return wrapper
+
+
+class DeepSpeed(DeepSpeedStrategy):
+    """Lightning's DeepSpeedStrategy with `config` given by name (`zero1|zero2|zero3`) or path; runs on CPU too."""
+
+    def __init__(self, config: str | dict = "zero2", **kwargs: Any) -> None:
+        super().__init__(config=load_deepspeed_config(config), **kwargs)
+
+    @property
+    def _on_cuda(self) -> bool:
+        return isinstance(self.accelerator, CUDAAccelerator)
+
+    def setup_environment(self) -> None:
+        if self._on_cuda:
+            return super().setup_environment()
+        DDPStrategy.setup_environment(self)  # (1) the parent's body minus its CUDA-only check
+
+    def setup_distributed(self) -> None:
+        if self._on_cuda:
+            return super().setup_distributed()
+        reset_seed()  # (2) the parent's body minus _validate_device_index_selection
+        self.set_world_ranks()
+        # (`deepspeed.comm.torch` as an attribute is the torch package that deepspeed.comm imports; hence importlib.)
+        ds_torch_backend = importlib.import_module("deepspeed.comm.torch")
+        # The shm op serves inference all-reduce only (see the module docstring): do not JIT-build it.
+        with _patched(ds_torch_backend, "build_shm_op", lambda _: lambda: None):
+            self._init_deepspeed_distributed()
+
+    def _setup_model_and_optimizer(self, *args: Any, **kwargs: Any) -> Any:
+        return self._call_with_cpu_device_rank(super()._setup_model_and_optimizer, *args, **kwargs)
+
+    def _initialize_deepspeed_inference(self, *args: Any, **kwargs: Any) -> Any:
+        return self._call_with_cpu_device_rank(super()._initialize_deepspeed_inference, *args, **kwargs)
+
+    def _call_with_cpu_device_rank(self, fn: Callable, *args: Any, **kwargs: Any) -> Any:
+        if self._on_cuda:
+            return fn(*args, **kwargs)
+        import deepspeed
+
+        with _patched(deepspeed, "initialize", _with_device_rank_zero):  # (3)
+            return fn(*args, **kwargs)
+
+    def _auto_select_batch_size(self) -> int:
+        # DeepSpeed wants train_micro_batch_size_per_gpu (for its sample counters; it does not change the math).
+        # The parent builds the train loader to read loader.batch_sampler.batch_size, but normlab's loaders
+        # yield whole batches (batch_size=None): ask the datamodule instead.
+        datamodule = self.lightning_module.trainer.datamodule
+        return int(getattr(datamodule, "batch_size", None) or 1)
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        for name in ZERO_NAMES:
+            strategy_registry.register(name, cls, description=f"normlab DeepSpeed, configs/deepspeed/{name}.json",
+                                       config=name, override=True)
+
+
+DeepSpeed.register_strategies(StrategyRegistry)
+
+
+def default_precision(accelerator: str | Any) -> str:
+    """bf16 mixed precision on GPUs (fp16 on GPUs without bf16); fp32 elsewhere — bf16 was ~45x slower than
+    fp32 on a CPU without bf16 matrix units, and DeepSpeed refuses fp16 on CPU."""
+    wants_gpu = accelerator in ("auto", "gpu", "cuda") or isinstance(accelerator, CUDAAccelerator)
+    if not (wants_gpu and torch.cuda.is_available()):
+        return "32-true"
+    return "bf16-mixed" if torch.cuda.is_bf16_supported() else "16-mixed"
+
+
+def adopt_deepspeed_launcher_env(environ: MutableMapping[str, str]) -> None:
+    """The `deepspeed` launcher names a node's rank CROSS_RANK; Lightning reads NODE_RANK (or torchrun's
+    GROUP_RANK). Without this every node would think it is node 0 and compute wrong global ranks."""
+    if "CROSS_RANK" in environ and "NODE_RANK" not in environ and "GROUP_RANK" not in environ:
+        environ["NODE_RANK"] = environ["CROSS_RANK"]

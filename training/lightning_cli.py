@@ -20,7 +20,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 
 from data.datamodule import TokenDataModule
 from training import checkpoint
-from training.callbacks import RNGState, Throughput
+from training.callbacks import RNGState, Throughput, TrainingHealth
 from training.checkpoint import StepCheckpoint
 from training.lit_module import LitLM
 from training.optim import OptimConfig
@@ -80,6 +80,7 @@ class NormlabCLI(LightningCLI):
         parser.link_arguments("optim", "model.optim", apply_on="instantiate")
         parser.add_lightning_class_args(StepCheckpoint, "checkpoint")
         parser.add_lightning_class_args(Throughput, "throughput")
+        parser.add_lightning_class_args(TrainingHealth, "metrics")
 
     def before_instantiate_classes(self) -> None:
         config = self.config[self.subcommand]

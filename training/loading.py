@@ -20,12 +20,10 @@ import torch
 import yaml
 
 from model import ModelConfig, Transformer
+from training.checkpoint import CONFIG_FILE, LIGHTNING_FILE, MANIFEST, MODEL_CONFIG_FILE
 
 log = logging.getLogger(__name__)
 
-MANIFEST = "manifest.json"
-MODEL_CONFIG_FILE = "model_config.json"
-CONFIG_FILE = "config.yaml"
 NORMLAB_EXPORT_CONFIG = "normlab_config.json"  # written by `normlab export --format safetensors`
 
 
@@ -130,7 +128,7 @@ def _load_step_dir(ckpt_dir: Path) -> Loaded:
     if manifest.get("format") == "deepspeed":
         state = _deepspeed_state(ckpt_dir)
     else:
-        file = ckpt_dir / "model.ckpt"
+        file = ckpt_dir / LIGHTNING_FILE
         if not file.is_file():
             raise CheckpointError(f"'{file}' is missing: the checkpoint is incomplete")
         state = _torch_load(file)["state_dict"]

@@ -117,6 +117,12 @@ class DeepSpeed(DeepSpeedStrategy):
         with _patched(deepspeed, "initialize", _with_device_rank_zero):  # (3)
             return fn(*args, **kwargs)
 
+    def backward(self, closure_loss: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+        # Lightning has already divided the loss by accumulate_grad_batches; DeepSpeed's engine.backward would
+        # divide it again by its gradient_accumulation_steps (the same number), leaving every gradient 1/N of the
+        # true one — invisible to Adam's update direction but not to gradient clipping or the logged grad norms.
+        return super().backward(closure_loss, optimizer, *args, scale_wrt_gas=False, **kwargs)
+
     def _auto_select_batch_size(self) -> int:
         # DeepSpeed wants train_micro_batch_size_per_gpu (for its sample counters; it does not change the math).
         # The parent builds the train loader to read loader.batch_sampler.batch_size, but normlab's loaders

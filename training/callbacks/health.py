@@ -98,6 +98,10 @@ class TrainingHealth(Callback):
         if not self._due(step, self.every_n_steps):
             return
         model, deepspeed = pl_module.model, is_deepspeed(trainer.strategy)
+        # DeepSpeed accumulates gradients itself, so Lightning calls this every micro-batch; the reduced
+        # gradients exist only at the accumulation boundary.
+        if deepspeed and not trainer.strategy.deepspeed_engine.is_gradient_accumulation_boundary():
+            return
         grad_of = None
         if deepspeed:
             from deepspeed.utils import safe_get_full_grad

@@ -1,0 +1,142 @@
+"""`normlab evaluate | export | generate` on checkpoints of real (tiny, single-process) runs.
+
+Exports are loaded back with `transformers` alone (`AutoModelForCausalLM`, `AutoTokenizer`, no network) and
+must give our logits and our greedy continuation. DeepSpeed checkpoints are evaluated in
+tests/test_training_deepspeed.py, next to the runs that write them.
+"""
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.helpers.data import make_tiny_corpus
+from tests.helpers.multiproc import REPO, run_normlab
+from training.loading import load_checkpoint
+
+pytestmark = pytest.mark.slow
+transformers = pytest.importorskip("transformers")
+
+HELPERS = REPO / "tests" / "helpers"
+STEP = "step-00000004"
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("export")
+    make_tiny_corpus(root)
+    return root
+
+
+def fit(root: Path, preset: str) -> Path:
+    run_normlab(["fit", "-c", str(HELPERS / "tiny.yaml"), "--data.path", str(root / "tiny"), "--runs_dir",
+                 str(root / "runs"), "--name", preset, "--model.preset", preset, "--trainer.max_steps", "4",
+                 "--model.n_kv_heads", "2"], cwd=root)
+    return root / "runs" / preset / "checkpoints" / STEP
+
+
+@pytest.fixture(scope="module")
+def runs(root) -> dict[str, Path]:
+    return {preset: fit(root, preset) for preset in ("llama", "qwen3", "olmo2", "post")}
+
+
+@pytest.mark.parametrize("preset, model_type", [("llama", "llama"), ("qwen3", "qwen3"), ("olmo2", "olmo2")])
+def test_export_loads_in_transformers_with_our_logits_and_tokenizer(preset, model_type, runs, root, tmp_path):
+    out = tmp_path / "hf"
+    run_normlab(["export", "--checkpoint", str(runs[preset]), "--output", str(out)], cwd=root)
+    assert {"config.json", "model.safetensors", "generation_config.json", "tokenizer.json"} <= {
+        p.name for p in out.iterdir()}
+    assert json.loads((out / "config.json").read_text())["model_type"] == model_type
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out, local_files_only=True).eval()
+    ours = load_checkpoint(runs[preset]).model
+    tokens = torch.randint(0, ours.cfg.vocab_size, (2, 16))
+    with torch.no_grad():
+        assert (hf(tokens).logits - ours(tokens)).abs().max().item() <= 1e-5
+
+    import sentencepiece as spm
+
+    tok = transformers.AutoTokenizer.from_pretrained(out, local_files_only=True)
+    sp = spm.SentencePieceProcessor(model_file=str(root / "tiny" / "tokenizer.model"))
+    for text in ("the quick brown fox.", "  two spaces and ünïcode — 🙂\nnew line"):
+        ids = tok.encode(text, add_special_tokens=False)
+        assert ids == sp.encode(text)
+        assert tok.decode(ids) == text
+    assert tok.eos_token_id == sp.eos_id()
+
+
+def test_greedy_generation_equals_transformers(runs, root, tmp_path):
+    out = tmp_path / "hf"
+    run_normlab(["export", "--checkpoint", str(runs["qwen3"]), "--output", str(out)], cwd=root)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out, local_files_only=True).eval()
+    tok = transformers.AutoTokenizer.from_pretrained(out, local_files_only=True)
+    prompt = "the cat sat on"
+    ids = torch.tensor([tok.encode(prompt, add_special_tokens=False)])
+    theirs = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=5, do_sample=False,
+                         eos_token_id=None, pad_token_id=tok.pad_token_id)
+    from model.generate import generate
+
+    ours = generate(load_checkpoint(runs["qwen3"]).model, ids, 5)  # greedy, KV cache
+    assert torch.equal(ours, theirs)
+    proc = run_normlab(["generate", "--checkpoint", str(runs["qwen3"]), "--prompt", prompt, "--max-new-tokens", "8",
+                        "--temperature", "0"], cwd=root)
+    assert proc.stdout.startswith(prompt) and len(proc.stdout.strip()) > len(prompt)
+
+
+def test_evaluate_single_process_checkpoint(runs, root, tmp_path):
+    from tests.helpers.runs import scalars
+
+    out = tmp_path / "eval.json"
+    run_normlab(["evaluate", "--checkpoint", str(runs["llama"]), "--output", str(out), "--max-tokens", "600"],
+                cwd=root)
+    result = json.loads(out.read_text())
+    assert result["perplexity"] == pytest.approx(math.exp(result["loss"]))
+    assert result["tokens"] == (600 // 16) * 16  # whole windows of the run's seq_len
+    assert scalars(runs["llama"].parent.parent, "eval/val/loss")[4] == pytest.approx(result["loss"], rel=1e-6)
+
+
+def test_unexportable_config_names_the_field_and_safetensors_still_works(runs, root, tmp_path):
+    proc = run_normlab(["export", "--checkpoint", str(runs["post"]), "--output", str(tmp_path / "hf")], cwd=root,
+                       expect_ok=False)
+    assert proc.returncode == 2
+    assert "ModelConfig.norm='layernorm'" in proc.stderr and "--format safetensors" in proc.stderr
+    assert not (tmp_path / "hf").exists()  # nothing half-written
+    out = tmp_path / "own"
+    run_normlab(["export", "--checkpoint", str(runs["post"]), "--output", str(out), "--format", "safetensors",
+                 "--dtype", "bfloat16"], cwd=root)
+    again = load_checkpoint(out)
+    original = load_checkpoint(runs["post"])
+    assert again.model.cfg == original.model.cfg
+    tokens = torch.randint(0, again.model.cfg.vocab_size, (1, 8))
+    with torch.no_grad():  # bf16 weights, evaluated in fp32
+        assert (again.model(tokens) - original.model(tokens)).abs().max().item() < 0.1
+
+
+def test_bad_inputs_give_clear_errors(runs, root, tmp_path):
+    def fails(*args: str) -> str:
+        proc = run_normlab(list(args), cwd=root, expect_ok=False)
+        assert proc.returncode == 2, proc.stdout + proc.stderr
+        return proc.stderr
+
+    assert "does not exist" in fails("evaluate", "--checkpoint", str(tmp_path / "nope"))
+
+    broken = tmp_path / "broken"
+    shutil.copytree(runs["llama"], broken / "checkpoints" / STEP)
+    ckpt_file = broken / "checkpoints" / STEP / "model.ckpt"
+    ckpt_file.write_bytes(ckpt_file.read_bytes()[: ckpt_file.stat().st_size // 2])
+    assert "truncated" in fails("evaluate", "--checkpoint", str(broken / "checkpoints" / STEP))
+
+    incomplete = tmp_path / "incomplete"
+    shutil.copytree(runs["llama"], incomplete)
+    (incomplete / "manifest.json").unlink()
+    assert "not a complete checkpoint" in fails("export", "--checkpoint", str(incomplete), "--output",
+                                                str(tmp_path / "x"))
+
+    other = tmp_path / "other"
+    other.mkdir()
+    make_tiny_corpus(other, vocab_size=300)  # same text, another tokenizer
+    assert "different tokenizer" in fails("evaluate", "--checkpoint", str(runs["llama"]), "--data",
+                                          str(other / "tiny"))

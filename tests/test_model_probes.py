@@ -110,3 +110,20 @@ def test_grad_norms_per_layer_and_global():
     total = torch.cat([p.grad.flatten() for p in model.parameters()]).norm().item()
     assert norms["grad/global"] == pytest.approx(total, rel=1e-5)
     assert {"grad/norm/tok_embeddings", "grad/norm/output"} <= set(norms)
+
+
+def test_probes_identical_with_fused_kernels_on_and_off():
+    """The probes read the same stream whichever norm implementation runs (Triton in its interpreter here)."""
+    values = {}
+    for kernels in ("torch", "triton"):
+        torch.manual_seed(0)
+        model = Transformer(ModelConfig(vocab_size=32, dim=16, n_layers=2, n_heads=2, qk_norm="head",
+                                        kernels=kernels))
+        with record(model) as rec:
+            model(torch.randint(0, 32, (1, 6)), targets=torch.randint(0, 32, (1, 6))).backward()
+        from model.probes import grad_norms
+
+        values[kernels] = {**rec.scalars(), **grad_norms(model)}
+    assert values["torch"].keys() == values["triton"].keys()
+    for tag, v in values["torch"].items():
+        assert values["triton"][tag] == pytest.approx(v, rel=1e-5, abs=1e-7), tag

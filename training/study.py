@@ -49,7 +49,7 @@ class Scale:
 
 
 SCALES = {
-    "default": Scale(dim=128, n_layers=6, n_heads=4, seq_len=128, batch_size=16, steps=400, metrics_every=25),
+    "default": Scale(dim=128, n_layers=6, n_heads=4, seq_len=128, batch_size=16, steps=300, metrics_every=25),
     "quick": Scale(dim=64, n_layers=4, n_heads=4, seq_len=64, batch_size=8, steps=60, metrics_every=10),
 }
 

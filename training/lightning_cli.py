@@ -5,7 +5,8 @@ Config groups (all settable in YAML via `-c` and as dotted flags):
   optim.*       OptimConfig: AdamW + LR schedule (`--optim.lr 3e-4`)
   data.*        TokenDataModule (`--data.path`, `--data.seq_len`, `--data.batch_size`)
   trainer.*     Lightning Trainer (`--trainer.max_steps`, `--trainer.devices`, `--trainer.strategy zero2`)
-  checkpoint.*  StepCheckpoint (`--checkpoint.every_n_steps`)
+  checkpoint.*  StepCheckpoint (`--checkpoint.every_n_steps`, `--checkpoint.keep_last_n`)
+  guard.*       NonFiniteGuard (`--guard.policy abort|skip`, `--guard.max_consecutive_skips`)
   throughput.*  Throughput (`--throughput.peak_tflops`)
   name, runs_dir, ckpt_path, seed_everything
 """
@@ -20,7 +21,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 
 from data.datamodule import TokenDataModule
 from training import checkpoint
-from training.callbacks import RNGState, Throughput, TrainingHealth
+from training.callbacks import NonFiniteGuard, RNGState, Throughput, TrainingHealth
 from training.checkpoint import StepCheckpoint
 from training.lit_module import LitLM
 from training.optim import OptimConfig
@@ -81,6 +82,7 @@ class NormlabCLI(LightningCLI):
         parser.add_lightning_class_args(StepCheckpoint, "checkpoint")
         parser.add_lightning_class_args(Throughput, "throughput")
         parser.add_lightning_class_args(TrainingHealth, "metrics")
+        parser.add_lightning_class_args(NonFiniteGuard, "guard")
 
     def before_instantiate_classes(self) -> None:
         config = self.config[self.subcommand]
@@ -120,3 +122,4 @@ class NormlabCLI(LightningCLI):
         for callback in self.trainer.callbacks:
             if isinstance(callback, StepCheckpoint):
                 callback.resolved_config = text
+                callback.resume_from = config.ckpt_path  # checked against the run before anything loads

@@ -20,15 +20,12 @@ import torch
 import yaml
 
 from model import ModelConfig, Transformer
-from training.checkpoint import CONFIG_FILE, LIGHTNING_FILE, MANIFEST, MODEL_CONFIG_FILE
+from training.checkpoint import (CONFIG_FILE, LIGHTNING_FILE, MANIFEST, MODEL_CONFIG_FILE, CheckpointError,
+                                 read_manifest, verify_files)
 
 log = logging.getLogger(__name__)
 
 NORMLAB_EXPORT_CONFIG = "normlab_config.json"  # written by `normlab export --format safetensors`
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that is missing, incomplete or unreadable; the message names the path and the fix."""
 
 
 @dataclass
@@ -121,7 +118,8 @@ def _build(config: dict[str, Any], state: dict[str, torch.Tensor], where: Path) 
 
 
 def _load_step_dir(ckpt_dir: Path) -> Loaded:
-    manifest = _read_json(ckpt_dir / MANIFEST)
+    manifest = read_manifest(ckpt_dir)  # a corrupt manifest is a CheckpointError that says so
+    verify_files(ckpt_dir, manifest)
     if not (ckpt_dir / MODEL_CONFIG_FILE).is_file():
         raise CheckpointError(f"'{ckpt_dir}' has no {MODEL_CONFIG_FILE}: it was not written by normlab")
     config = _read_json(ckpt_dir / MODEL_CONFIG_FILE)

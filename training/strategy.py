@@ -14,6 +14,12 @@ train for real on CPU — which is how the multi-process tests exercise ZeRO wit
 3. `deepspeed.initialize(args=Namespace(device_rank=root_device.index))`: the index is None on CPU and the
    engine fails on `None >= 0`; pass 0 (DeepSpeed's CPU accelerator ignores it).
 
+Resuming on another world size (ZeRO-1/2): DeepSpeed refuses to load optimizer shards written by another
+number of ranks. `load_checkpoint` then converts the checkpoint once into DeepSpeed's universal format (rank 0,
+`deepspeed.checkpoint.ds_to_universal`, cached inside the checkpoint directory as `checkpoint_universal/` +
+`latest_universal`, written to a temporary name and renamed) and loads that, which re-partitions the fp32
+weights and Adam moments for the new world size. ZeRO-3 is refused earlier (see `checkpoint.check_reshard`).
+
 Plus one robustness fix: DeepSpeed's torch backend JIT-compiles a shared-memory all-reduce op with g++ when it
 starts (~60-90 s the first time, a crash without a compiler). That op only serves DeepSpeed's *inference*
 all-reduce (tensor-parallel inference kernels); training never calls it, so on CPU it is not built.
@@ -22,6 +28,11 @@ from __future__ import annotations
 
 import importlib
 import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
 from collections.abc import Callable, Iterator, MutableMapping
 from contextlib import contextmanager
 from pathlib import Path
@@ -31,6 +42,10 @@ import torch
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.accelerators import CUDAAccelerator
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, Strategy, StrategyRegistry
+
+log = logging.getLogger(__name__)
+
+UNIVERSAL_TAG = "checkpoint_universal"  # beside DeepSpeed's own tag ("checkpoint", Lightning's choice)
 
 # The JSON files are the source of truth for each stage; they live with the other recipes in configs/.
 DEEPSPEED_CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs" / "deepspeed"
@@ -117,6 +132,32 @@ class DeepSpeed(DeepSpeedStrategy):
         with _patched(deepspeed, "initialize", _with_device_rank_zero):  # (3)
             return fn(*args, **kwargs)
 
+    def load_checkpoint(self, checkpoint_path: str | Path, weights_only: bool | None = None) -> dict[str, Any]:
+        from training.checkpoint import MANIFEST, read_manifest
+
+        manifest_file = Path(checkpoint_path) / MANIFEST
+        saved_world = read_manifest(checkpoint_path).get("world_size") if manifest_file.is_file() else None
+        if saved_world in (None, self.world_size):
+            return super().load_checkpoint(checkpoint_path, weights_only)
+        error = None
+        if self.is_global_zero:
+            try:
+                to_universal(Path(checkpoint_path))
+            except (OSError, RuntimeError) as err:
+                error = str(err)
+        # Rank 0's outcome reaches every rank (a barrier would leave the others waiting forever if it failed).
+        error = self.broadcast(error)
+        if error is not None:
+            raise RuntimeError(error)
+        log.warning("loading %s (written by %d ranks) on %d ranks through DeepSpeed's universal checkpoint",
+                    checkpoint_path, saved_world, self.world_size)
+        config = self.deepspeed_engine._config  # the engine reads this flag at load time only
+        config.load_universal_checkpoint = True
+        try:
+            return super().load_checkpoint(checkpoint_path, weights_only)
+        finally:
+            config.load_universal_checkpoint = False
+
     def backward(self, closure_loss: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
         # Lightning has already divided the loss by accumulate_grad_batches; DeepSpeed's engine.backward would
         # divide it again by its gradient_accumulation_steps (the same number), leaving every gradient 1/N of the
@@ -138,6 +179,28 @@ class DeepSpeed(DeepSpeedStrategy):
 
 
 DeepSpeed.register_strategies(StrategyRegistry)
+
+
+def to_universal(ckpt_dir: Path) -> None:
+    """Convert a DeepSpeed checkpoint directory to the universal format in place (once; cached)."""
+    if (ckpt_dir / "latest_universal").is_file() and (ckpt_dir / UNIVERSAL_TAG).is_dir():
+        return
+    tag = (ckpt_dir / "latest").read_text().strip()
+    tmp = ckpt_dir / f".tmp-{UNIVERSAL_TAG}"
+    shutil.rmtree(tmp, ignore_errors=True)  # our own leftover from an interrupted conversion
+    # A subprocess: the converter parses its own argv, and its pickled loads stay out of this process.
+    proc = subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
+                           str(ckpt_dir / tag), "--output_folder", str(tmp), "--inject_missing_state",
+                           "--num_extract_workers", "1", "--num_merge_workers", "1"],
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"converting {ckpt_dir} to DeepSpeed's universal checkpoint failed; resume on the "
+                           f"world size that wrote it:\n{(proc.stdout + proc.stderr)[-3000:]}")
+    (ckpt_dir / "latest_universal").unlink(missing_ok=True)  # the converter writes it beside its output
+    os.replace(tmp, ckpt_dir / UNIVERSAL_TAG)
+    latest = ckpt_dir / ".latest_universal.tmp"
+    latest.write_text(UNIVERSAL_TAG)
+    os.replace(latest, ckpt_dir / "latest_universal")
 
 
 def default_precision(accelerator: str | Any) -> str:

@@ -1,6 +1,8 @@
-"""Callbacks every normlab run attaches: RNG-state checkpointing, throughput/MFU and training-health metrics."""
+"""Callbacks every normlab run attaches: RNG-state checkpointing, throughput/MFU, training-health metrics and the
+non-finite guard."""
+from training.callbacks.guard import NonFiniteGuard
 from training.callbacks.health import TrainingHealth
 from training.callbacks.rng import RNGState
 from training.callbacks.throughput import Throughput
 
-__all__ = ["RNGState", "Throughput", "TrainingHealth"]
+__all__ = ["NonFiniteGuard", "RNGState", "Throughput", "TrainingHealth"]

@@ -1,0 +1,183 @@
+"""Reliability without DeepSpeed, in-process and single-device (seconds each): the guard's `skip` policy, a
+full disk during a save, and the resume/load checks with their messages (docs/errors.md lists them all).
+
+The multi-process DeepSpeed side (kill -9, resharding, the guard under ZeRO) is tests/test_reliability_deepspeed.py.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from tests.helpers.data import make_tiny_corpus
+from tests.helpers.multiproc import REPO
+from training import checkpoint
+from training.callbacks.guard import NonFiniteError, NonFiniteGuard
+from training.checkpoint import CheckpointError, StepCheckpoint
+from training.cli import main
+from training.loading import load_checkpoint
+
+pytestmark = pytest.mark.filterwarnings("ignore:LightningCLI's args parameter")
+
+HELPERS = REPO / "tests" / "helpers"
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("inputs")
+    make_tiny_corpus(root)
+    return root
+
+
+def fit(root: Path, name: str, *extra: str) -> None:
+    main(["fit", "-c", str(HELPERS / "tiny.yaml"), "--data.path", str(root / "tiny"), "--runs_dir",
+          str(root / "runs"), "--name", name, "--trainer.devices", "1", "--trainer.logger", "false",
+          "--metrics.every_n_steps", "0", "--checkpoint.every_n_steps", "2", *extra])
+
+
+def step_dir(root: Path, name: str, step: int) -> Path:
+    return root / "runs" / name / "checkpoints" / checkpoint.step_dirname(step)
+
+
+@pytest.fixture(scope="module")
+def finished(root) -> Path:
+    """A complete 4-step run (checkpoints 2 and 4) for the resume checks."""
+    fit(root, "finished", "--trainer.max_steps", "4")
+    return root / "runs" / "finished"
+
+
+def copy_run(finished: Path, name: str) -> Path:
+    return Path(shutil.copytree(finished, finished.parent / name))
+
+
+def test_guard_skip_leaves_weights_and_optimizer_untouched_then_aborts(root, tmp_path):
+    """NaN gradients at updates 3, 4 and 5 with `skip` and max_consecutive_skips=2: updates 3 and 4 are dropped
+    (checkpoint 4 holds exactly checkpoint 2's weights and AdamW state), the third in a row aborts."""
+    nan = tmp_path / "nan.yaml"
+    nan.write_text("trainer:\n  callbacks:\n    - class_path: tests.helpers.faults.InjectNaNGrad\n"
+                   "      init_args: {steps: [3, 4, 5], rank: 0}\n")
+    with pytest.raises(NonFiniteError, match=r"non-finite gradient, first in layer L1 \(layers\.1\..*at step 5: "
+                                             r"3 consecutive updates skipped \(guard.max_consecutive_skips=2\)"):
+        fit(root, "skip", "-c", str(nan), "--guard.policy", "skip", "--guard.max_consecutive_skips", "2")
+    two, four = (torch.load(step_dir(root, "skip", s) / "model.ckpt", weights_only=True) for s in (2, 4))
+    assert four["global_step"] == 4 and two["global_step"] == 2
+    assert all(torch.equal(two["state_dict"][k], four["state_dict"][k]) for k in two["state_dict"])
+    state2, state4 = (c["optimizer_states"][0]["state"] for c in (two, four))
+    assert all(torch.equal(state2[i][k], state4[i][k]) for i in state2 for k in state2[i])
+    assert not step_dir(root, "skip", 6).exists()
+
+
+def test_disk_full_during_save(root, monkeypatch):
+    """ENOSPC while the manifest of step 4 is written: a clear error, the partial checkpoint moved aside, the
+    previous one intact — and `--ckpt_path last` resumes from it."""
+    monkeypatch.setenv(checkpoint.FAULT_ENV, "enospc_manifest@4")
+    with pytest.raises(CheckpointError, match=r"saving checkpoint step 4 into .* failed: the disk is full .*moved "
+                                              r"to .*incomplete/step-00000004.*resume with --ckpt_path last"):
+        fit(root, "full")
+    ckpts = root / "runs" / "full" / "checkpoints"
+    assert sorted(p.name for p in ckpts.iterdir()) == ["incomplete", "step-00000002"]
+    assert (ckpts / "incomplete" / "step-00000004" / "model.ckpt").is_file()
+    monkeypatch.delenv(checkpoint.FAULT_ENV)
+    fit(root, "full", "--ckpt_path", "last", "--trainer.max_steps", "4")
+    assert checkpoint.read_manifest(ckpts / "step-00000004")["step"] == 4
+
+
+def test_resume_with_changed_model_config(root, finished):
+    with pytest.raises(CheckpointError, match=r"cannot resume .*step-00000004: the model config changed \(dim: 32 "
+                                              r"→ 64.*model_config.json"):
+        fit(root, "finished", "--ckpt_path", "last", "--model.dim", "64")
+
+
+def test_resume_with_another_tokenizer(root, finished):
+    run = copy_run(finished, "retokenized")
+    manifest = json.loads((run / "checkpoints" / "step-00000004" / "manifest.json").read_text())
+    manifest["tokenizer_hash"] = "0" * 64  # as if trained with another tokenizer
+    (run / "checkpoints" / "step-00000004" / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match=r"the tokenizer differs from the one it was trained with"):
+        fit(root, "retokenized", "--ckpt_path", "last")
+
+
+def test_corrupt_manifest(root, finished):
+    run = copy_run(finished, "corrupt")
+    (run / "checkpoints" / "step-00000004" / "manifest.json").write_text('{"step": 4, "form')
+    with pytest.raises(CheckpointError, match=r"corrupt manifest .*step-00000004/manifest.json.*resume from the "
+                                              r"previous checkpoint"):
+        fit(root, "corrupt", "--ckpt_path", "last")
+    with pytest.raises(CheckpointError, match="corrupt manifest"):
+        load_checkpoint(run / "checkpoints" / "step-00000004")
+
+
+def test_missing_or_truncated_shard(root, finished):
+    run = copy_run(finished, "damaged")
+    ckpt = run / "checkpoints" / "step-00000004"
+    assert "model.ckpt" in checkpoint.read_manifest(ckpt)["files"]
+    data = (ckpt / "model.ckpt").read_bytes()
+    (ckpt / "model.ckpt").write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match=r"'model.ckpt' is truncated or altered \(\d+ bytes, \d+ when saved\)"):
+        fit(root, "damaged", "--ckpt_path", "last")
+    with pytest.raises(CheckpointError, match=r"'model.ckpt' is truncated"):
+        load_checkpoint(ckpt)
+    (ckpt / "model.ckpt").unlink()
+    with pytest.raises(CheckpointError, match=r"'model.ckpt' is missing; restore it or use an earlier checkpoint"):
+        load_checkpoint(ckpt)
+
+
+def test_interrupted_step_dir_is_refused_and_last_skips_it(tmp_path):
+    ckpts = checkpoint.checkpoints_dir(tmp_path)
+    (ckpts / "step-00000002").mkdir(parents=True)
+    (ckpts / "step-00000002" / "manifest.json").write_text(json.dumps({"step": 2, "format": "lightning"}))
+    (ckpts / "step-00000004").mkdir()  # shards, no manifest
+    (ckpts / ".tmp-step-00000006").mkdir()
+    assert checkpoint.resolve("last", tmp_path) == (str(ckpts / "step-00000002" / "model.ckpt"), 2)
+    with pytest.raises(CheckpointError, match=r"no manifest.json, the save was interrupted"):
+        checkpoint.resolve(str(ckpts / "step-00000004"), tmp_path)
+    assert [p.name for p in checkpoint.incomplete_checkpoints(tmp_path)] == [".tmp-step-00000006",
+                                                                             "step-00000004"]
+    moved = checkpoint.move_aside(ckpts / ".tmp-step-00000006", "test")
+    assert moved == ckpts / "incomplete" / "step-00000006" and moved.is_dir()
+
+
+def test_zero3_world_size_change_is_refused():
+    trainer = SimpleNamespace(world_size=1, is_global_zero=True)
+    manifest = {"step": 4, "world_size": 2, "zero_stage": 3, "format": "deepspeed"}
+    with pytest.raises(CheckpointError, match=r"\(ZeRO-3, 2 ranks\) on 1 ranks: ZeRO-3 shards do not reshard"):
+        checkpoint.check_reshard(Path("step-00000004"), manifest, trainer)
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda: StepCheckpoint(keep_last_n=1), r"checkpoint.keep_last_n=1 must be >= 2, or null"),
+    (lambda: NonFiniteGuard(policy="ignore"), r"guard.policy='ignore' is not one of \['abort', 'skip'\]"),
+    (lambda: NonFiniteGuard(max_consecutive_skips=0), r"guard.max_consecutive_skips=0 must be >= 1"),
+    (lambda: NonFiniteGuard(skip_spike_z=3.0), r"guard.skip_spike_z=3.0 needs .* guard.policy=skip"),
+])
+def test_invalid_reliability_options(make, message):
+    with pytest.raises(ValueError, match=message):
+        make()
+
+
+def test_every_torch_load_is_weights_only():
+    """No pickle execution from files normlab reads (DeepSpeed's internal loads excepted: docs/errors.md)."""
+    import re
+
+    offenders = []
+    for path in REPO.glob("**/*.py"):
+        if any(part in {".git", "venv", ".venv", "build", "node_modules"} for part in path.parts):
+            continue
+        text = path.read_text(errors="ignore")
+        for m in re.finditer(r"torch\.load\(", text):
+            call = text[m.start(): text.find("\n", text.find(")", m.start())) + 1]
+            if "weights_only=True" not in call:
+                offenders.append(f"{path.relative_to(REPO)}:{text.count(chr(10), 0, m.start()) + 1}")
+    assert not offenders, offenders
+
+
+def test_loss_zscore_over_the_rolling_window():
+    guard = NonFiniteGuard(spike_window=4)
+    assert guard._zscore(5.0) == 0.0  # too few losses yet
+    guard._losses.extend([1.0, 2.0, 3.0, 4.0, 5.0])  # the window keeps the last 4: 2..5, mean 3.5, std 1.29
+    assert guard._zscore(3.5) == 0.0
+    assert guard._zscore(10.0) == pytest.approx((10.0 - 3.5) / (5 / 3) ** 0.5)

@@ -1,0 +1,179 @@
+"""Non-finite guard: never let a NaN/Inf loss or gradient reach the weights, and watch for loss spikes.
+
+At every optimizer step, before the update (Lightning's `on_before_optimizer_step`; under DeepSpeed, which
+accumulates gradients itself and so is called every micro-batch, only at the accumulation boundary):
+- the step's loss (mean of its micro-batches) is checked on every rank and the verdict reduced over ranks;
+- every parameter's full gradient is checked (under ZeRO through `safe_get_full_grad`, a collective that all
+  ranks call in the same order — the cost is one gather of the gradient per step); the reduced gradients are
+  the same on every rank, so every rank reaches the same verdict and no rank is left waiting in a collective.
+
+Policies (`--guard.policy`):
+- `abort` (default): raise before the optimizer step — the weights, optimizer state and checkpoints stay as
+  they were after the previous step — naming the step and the first parameter (in model order) whose
+  gradient is non-finite.
+- `skip`: drop the update and count it; abort when more than `max_consecutive_skips` steps in a row would be
+  skipped.
+  Without DeepSpeed the gradients are set to None, which `torch.optim.AdamW` skips entirely (no moment or
+  weight-decay update; the LR schedule still advances with the step counter). Under DeepSpeed the update
+  cannot be dropped from outside the engine: its ZeRO optimizer skips a step whose gradient norm is
+  non-finite itself (its overflow check, also in fp32) — the guard relies on that and verifies it through
+  `engine.skipped_steps`, raising if the engine applied the step anyway.
+DeepSpeed's own skipped steps (fp16/bf16 overflow) are logged and count toward `max_consecutive_skips` too.
+
+Loss spikes: the z-score of the step's loss against the previous `spike_window` finite losses is logged as
+`guard/loss_z`. With `skip_spike_z` set, steps whose z-score exceeds it are skipped as above (not under
+DeepSpeed, whose engine would apply them: refused at setup).
+
+Step numbers are update numbers, as in TensorBoard: the update computed while `global_step == s` is step s+1.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import re
+from collections import deque
+from typing import Any
+
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
+
+from training.strategy import is_deepspeed
+
+log = logging.getLogger(__name__)
+
+POLICIES = ("abort", "skip")
+
+
+class NonFiniteError(RuntimeError):
+    """Training stopped before an update with a non-finite loss or gradient (or too many skipped steps)."""
+
+
+def _layer(name: str) -> str:
+    m = re.match(r"layers\.(\d+)\.", name)
+    return f"layer L{m.group(1)} ({name})" if m else name
+
+
+class NonFiniteGuard(Callback):
+    def __init__(self, policy: str = "abort", max_consecutive_skips: int = 3, spike_window: int = 50,
+                 skip_spike_z: float | None = None) -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"guard.policy={policy!r} is not one of {list(POLICIES)}")
+        if max_consecutive_skips < 1:
+            raise ValueError(f"guard.max_consecutive_skips={max_consecutive_skips} must be >= 1")
+        if spike_window < 2:
+            raise ValueError(f"guard.spike_window={spike_window} must be >= 2")
+        if skip_spike_z is not None and (skip_spike_z <= 0 or policy != "skip"):
+            raise ValueError(f"guard.skip_spike_z={skip_spike_z} needs a positive value and guard.policy=skip")
+        self.policy, self.max_consecutive_skips = policy, max_consecutive_skips
+        self.spike_window, self.skip_spike_z = spike_window, skip_spike_z
+        self.skipped = 0  # steps skipped in this process's run (by the guard or by DeepSpeed)
+        self.consecutive = 0
+        self._losses: deque[float] = deque(maxlen=spike_window)
+        self._step_losses: list[torch.Tensor] = []
+        self._skip_this_step = False
+        self._decided = False  # on_before_optimizer_step ran for the current step
+        self._ds_skipped = 0
+
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if self.skip_spike_z is not None and is_deepspeed(trainer.strategy):
+            raise ValueError("guard.skip_spike_z is not supported under DeepSpeed: its engine applies every step "
+                             "with a finite gradient (spikes are still logged as guard/loss_z); unset it")
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if is_deepspeed(trainer.strategy):
+            self._ds_skipped = trainer.strategy.deepspeed_engine.skipped_steps
+
+    def on_before_backward(self, trainer: Trainer, pl_module: LightningModule, loss: torch.Tensor) -> None:
+        self._step_losses.append(loss.detach())
+
+    def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Any) -> None:
+        deepspeed = is_deepspeed(trainer.strategy)
+        if deepspeed and not trainer.strategy.deepspeed_engine.is_gradient_accumulation_boundary():
+            return
+        step = trainer.global_step + 1
+        self._decided = True
+        local = torch.stack(self._step_losses).float().mean() if self._step_losses else torch.zeros(())
+        self._step_losses = []
+        finite = torch.isfinite(local)
+        # [sum of finite losses, non-finite count] over ranks: the same verdict everywhere.
+        totals = trainer.strategy.reduce(torch.stack([torch.where(finite, local, 0.0), (~finite).float()]).to(
+            pl_module.device), reduce_op="sum")
+        loss_ok = totals[1].item() == 0
+        loss = totals[0].item() / trainer.world_size
+        bad = self._nonfinite_grads(pl_module, deepspeed)
+        if not loss_ok or bad:
+            what = (f"non-finite gradient, first in {_layer(bad[0])} ({len(bad)} parameters)" if bad else
+                    "non-finite loss")
+            if self.policy == "abort":
+                raise NonFiniteError(
+                    f"{what} at step {step}: stopped before the optimizer step (guard.policy=abort); the weights "
+                    "and checkpoints are those of the previous step. Lower the learning rate, check the data, "
+                    "or use --guard.policy skip")
+            self._skip(trainer, pl_module, deepspeed, f"{what} at step {step}")
+            return
+        z = self._zscore(loss)
+        self._log(trainer, {"guard/loss_z": z}, step)
+        if self.skip_spike_z is not None and z > self.skip_spike_z:
+            self._skip(trainer, pl_module, deepspeed, f"loss spike at step {step} (z={z:.1f})")
+            return
+        self._losses.append(loss)
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
+        if not self._decided:  # not the end of an optimizer step (gradient accumulation)
+            return
+        applied = not self._skip_this_step
+        if is_deepspeed(trainer.strategy):
+            engine = trainer.strategy.deepspeed_engine
+            new, self._ds_skipped = engine.skipped_steps - self._ds_skipped, engine.skipped_steps
+            if self._skip_this_step and new == 0:
+                raise NonFiniteError(f"DeepSpeed applied step {trainer.global_step}, which the guard found "
+                                     "non-finite, so it cannot be skipped under this engine: use guard.policy=abort")
+            if new and applied:
+                applied = False
+                self._count_skip(trainer, f"DeepSpeed skipped step {trainer.global_step} (overflow)",
+                                 trainer.global_step)
+        if applied:
+            self.consecutive = 0
+        self._skip_this_step = self._decided = False
+
+    # -- helpers -----------------------------------------------------------------------------------------
+    def _nonfinite_grads(self, pl_module: LightningModule, deepspeed: bool) -> list[str]:
+        grad_of = lambda p: p.grad  # noqa: E731
+        if deepspeed:
+            from deepspeed.utils import safe_get_full_grad
+
+            grad_of = safe_get_full_grad
+        bad = []
+        for name, p in pl_module.model.named_parameters():
+            g = grad_of(p)  # under ZeRO: every rank, every parameter, same order (a collective)
+            if g is not None and not torch.isfinite(g).all():
+                bad.append(name)
+        return bad
+
+    def _skip(self, trainer: Trainer, pl_module: LightningModule, deepspeed: bool, why: str) -> None:
+        if not deepspeed:
+            for p in pl_module.parameters():
+                p.grad = None  # AdamW skips parameters without a gradient: no update, no state change
+        self._skip_this_step = True
+        self._count_skip(trainer, why, trainer.global_step + 1)
+
+    def _count_skip(self, trainer: Trainer, why: str, step: int) -> None:
+        self.skipped += 1
+        self.consecutive += 1
+        log.warning("skipped update: %s (%d skipped, %d in a row)", why, self.skipped, self.consecutive)
+        self._log(trainer, {"guard/skipped_steps": float(self.skipped)}, step)
+        if self.consecutive > self.max_consecutive_skips:
+            raise NonFiniteError(f"{why}: {self.consecutive} consecutive updates skipped "
+                                 f"(guard.max_consecutive_skips={self.max_consecutive_skips}); training stopped")
+
+    def _zscore(self, loss: float) -> float:
+        if len(self._losses) < 2:
+            return 0.0
+        mean = sum(self._losses) / len(self._losses)
+        std = math.sqrt(sum((x - mean) ** 2 for x in self._losses) / (len(self._losses) - 1))
+        return (loss - mean) / std if std > 0 else 0.0
+
+    @staticmethod
+    def _log(trainer: Trainer, values: dict[str, float], step: int) -> None:
+        if trainer.is_global_zero and trainer.logger is not None:
+            trainer.logger.log_metrics(values, step=step)

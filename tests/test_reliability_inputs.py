@@ -164,9 +164,8 @@ def test_every_torch_load_is_weights_only():
     import re
 
     offenders = []
-    for path in REPO.glob("**/*.py"):
-        if any(part in {".git", "venv", ".venv", "build", "node_modules"} for part in path.parts):
-            continue
+    # normlab's own code only: a virtualenv inside the checkout (CI makes one) holds other projects' loads.
+    for path in [p for top in ("model", "data", "training", "scripts", "tests") for p in (REPO / top).glob("**/*.py")]:
         text = path.read_text(errors="ignore")
         for m in re.finditer(r"torch\.load\(", text):
             call = text[m.start(): text.find("\n", text.find(")", m.start())) + 1]

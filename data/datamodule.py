@@ -141,6 +141,10 @@ class TokenDataModule(L.LightningDataModule):
         )
         return self._loader(dataset)
 
+    def test_dataloader(self) -> DataLoader | list:
+        """`normlab test` evaluates the held-out split (prepared data has train and val splits only)."""
+        return self.val_dataloader()
+
     # --- helpers ------------------------------------------------------------------------------------------
     def _position(self) -> tuple[int, int, int]:
         """(micro-batches already consumed by each rank, rank, world size) from the attached trainer."""

@@ -11,6 +11,7 @@ import yaml
 from model import ModelConfig
 from training import checkpoint
 from training.cli import COMMANDS, main
+from training.lit_module import RUNTIME_ARGS
 from tests.helpers.multiproc import REPO
 
 # In-process calls pass argv explicitly while pytest's own argv is set; that is what LightningCLI warns about.
@@ -61,7 +62,7 @@ def test_print_config_with_dotted_overrides(capsys):
 
 
 def _resolved_model(config: dict) -> ModelConfig:
-    fields = {k: v for k, v in config["model"].items() if v is not None and k != "preset"}
+    fields = {k: v for k, v in config["model"].items() if v is not None and k not in RUNTIME_ARGS}
     fields.setdefault("vocab_size", 8192)  # the default corpus's tokenizer
     fields.setdefault("max_seq_len", config["data"]["seq_len"])
     return ModelConfig.preset(config["model"]["preset"], **fields)

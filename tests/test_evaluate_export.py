@@ -140,3 +140,18 @@ def test_bad_inputs_give_clear_errors(runs, root, tmp_path):
     make_tiny_corpus(other, vocab_size=300)  # same text, another tokenizer
     assert "different tokenizer" in fails("evaluate", "--checkpoint", str(runs["llama"]), "--data",
                                           str(other / "tiny"))
+
+
+def test_normlab_test_and_validate_on_a_checkpoint(runs, root):
+    """`normlab test` / `validate` (LightningCLI) on a saved checkpoint: the held-out split, the run's loss."""
+    from tests.helpers.runs import scalars
+
+    for command in ("validate", "test"):
+        proc = run_normlab([command, "-c", str(HELPERS / "tiny.yaml"), "--data.path", str(root / "tiny"),
+                            "--runs_dir", str(root / "runs"), "--name", "llama", "--model.n_kv_heads", "2",
+                            "--ckpt_path", str(runs["llama"])], cwd=root)
+        table = proc.stdout + proc.stderr
+        assert f"{'val' if command == 'validate' else 'test'}/loss" in table
+    # the same windows as the run's own validation at step 4 (the checkpoint's weights)
+    logged = scalars(runs["llama"].parent.parent, "val/loss")[4]
+    assert f"{logged:.4f}"[:5] in table

@@ -16,7 +16,7 @@ import torch
 from model import ModelConfig, Transformer
 from training import checkpoint
 from training.callbacks.rng import capture_rng, restore_rng
-from training.lit_module import LitLM
+from training.lit_module import RUNTIME_ARGS, LitLM
 from training.optim import OptimConfig, build_optimizer, lr_factor, param_groups
 from training.strategy import ZERO_NAMES, adopt_deepspeed_launcher_env, load_deepspeed_config
 
@@ -171,7 +171,7 @@ def test_litlm_exposes_every_model_field():
     hints = typing.get_type_hints(LitLM.__init__)
     model_hints = typing.get_type_hints(ModelConfig)
     fields = [f.name for f in dataclasses.fields(ModelConfig)]
-    assert [p for p in params if p not in ("self", "preset", "optim")] == fields
+    assert [p for p in params if p not in RUNTIME_ARGS] == fields
     for name in fields:
         assert params[name].default is None
         assert set(typing.get_args(hints[name])) - {type(None)} == set(typing.get_args(model_hints[name]) or
@@ -185,3 +185,15 @@ def test_litlm_overrides_and_fail_fast():
     assert lit.hparams["optim"]["lr"] == OptimConfig().lr and lit.hparams["placement"] == "post"
     with pytest.raises(ValueError, match="placement"):
         LitLM(placement="middle")
+
+
+def test_compile_and_activation_checkpointing_switches_reach_the_model():
+    lit = LitLM(vocab_size=64, dim=32, n_layers=2, n_heads=4, max_seq_len=8, compile=True,
+                activation_checkpointing=True)
+    lit.configure_model()
+    assert lit.model.activation_checkpointing
+    assert all(getattr(layer, "_normlab_compiled", False) for layer in lit.model.layers)
+    plain = LitLM(vocab_size=64, dim=32, n_layers=2, n_heads=4, max_seq_len=8)
+    plain.configure_model()
+    assert not plain.model.activation_checkpointing
+    assert not any(getattr(layer, "_normlab_compiled", False) for layer in plain.model.layers)

@@ -18,7 +18,11 @@ from lightning.pytorch import LightningModule
 from torch import Tensor
 
 from model import ModelConfig, Transformer
+from model.optimize import compile_blocks, enable_activation_checkpointing
 from training.optim import OptimConfig, build_optimizer
+
+
+RUNTIME_ARGS = ("self", "__class__", "preset", "optim", "compile", "activation_checkpointing")
 
 
 class LitLM(LightningModule):
@@ -48,11 +52,18 @@ class LitLM(LightningModule):
         init_std: float | None = None,
         kernels: str | None = None,
         optim: OptimConfig | None = None,
+        compile: bool = False,
+        activation_checkpointing: bool = False,
     ) -> None:
-        """`preset` (see `model.PRESETS`) plus any `ModelConfig` field; `optim` is the `--optim.*` group."""
+        """`preset` (see `model.PRESETS`) plus any `ModelConfig` field; `optim` is the `--optim.*` group.
+
+        `compile`: `torch.compile` each block separately (regional, see model/optimize.py); `activation_checkpointing`:
+        recompute each block in backward instead of keeping its activations.
+        """
         super().__init__()
-        # Every argument but preset and optim is a ModelConfig field (a test keeps the two lists equal).
-        args = {k: v for k, v in locals().items() if k not in ("self", "__class__", "preset", "optim")}
+        self.compile, self.activation_checkpointing = compile, activation_checkpointing
+        # Every argument but these is a ModelConfig field (a test keeps the two lists equal).
+        args = {k: v for k, v in locals().items() if k not in RUNTIME_ARGS}
         self.preset = preset
         self.overrides = {k: v for k, v in args.items() if v is not None}
         self.optim = OptimConfig(**optim) if isinstance(optim, dict) else (optim or OptimConfig())
@@ -81,6 +92,9 @@ class LitLM(LightningModule):
         if self.model is None:
             self.config = self.model_config()
             self.model = Transformer(self.config)
+            enable_activation_checkpointing(self.model, self.activation_checkpointing)
+            if self.compile:
+                compile_blocks(self.model)
 
     def forward(self, tokens: Tensor) -> Tensor:
         return self.model(tokens)

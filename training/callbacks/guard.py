@@ -3,8 +3,9 @@
 At every optimizer step, before the update (Lightning's `on_before_optimizer_step`; under DeepSpeed, which
 accumulates gradients itself and so is called every micro-batch, only at the accumulation boundary):
 - the step's loss (mean of its micro-batches) is checked on every rank and the verdict reduced over ranks;
-- every parameter's full gradient is checked (under ZeRO through `safe_get_full_grad`, a collective that all
-  ranks call in the same order — the cost is one gather of the gradient per step); the reduced gradients are
+- every parameter's gradient is checked (under ZeRO first by the optimizer's cheap partition-local overflow test,
+  then, only if it fires, through `safe_get_full_grad`, a collective that all ranks call in the same order —
+  so a healthy step costs one all-reduced flag, not a gather of the gradient); the reduced gradients are
   the same on every rank, so every rank reaches the same verdict and no rank is left waiting in a collective.
 
 Policies (`--guard.policy`):
@@ -100,7 +101,7 @@ class NonFiniteGuard(Callback):
             pl_module.device), reduce_op="sum")
         loss_ok = totals[1].item() == 0
         loss = totals[0].item() / trainer.world_size
-        bad = self._nonfinite_grads(pl_module, deepspeed)
+        bad = self._nonfinite_grads(trainer, pl_module, deepspeed)
         if not loss_ok or bad:
             what = (f"non-finite gradient, first in {_layer(bad[0])} ({len(bad)} parameters)" if bad else
                     "non-finite loss")
@@ -137,11 +138,16 @@ class NonFiniteGuard(Callback):
         self._skip_this_step = self._decided = False
 
     # -- helpers -----------------------------------------------------------------------------------------
-    def _nonfinite_grads(self, pl_module: LightningModule, deepspeed: bool) -> list[str]:
+    def _nonfinite_grads(self, trainer: Trainer, pl_module: LightningModule, deepspeed: bool) -> list[str]:
         grad_of = lambda p: p.grad  # noqa: E731
         if deepspeed:
             from deepspeed.utils import safe_get_full_grad
 
+            # The ZeRO optimizer's own overflow test reads each rank's gradient partition and all-reduces one
+            # flag: cheap. Only when it fires are the full gradients gathered, to name the first bad layer.
+            has_overflow = getattr(trainer.strategy.deepspeed_engine.optimizer, "has_overflow", None)
+            if has_overflow is not None and not has_overflow(partition_gradients=True):
+                return []
             grad_of = safe_get_full_grad
         bad = []
         for name, p in pl_module.model.named_parameters():

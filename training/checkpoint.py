@@ -40,6 +40,7 @@ from typing import Any
 
 from lightning.pytorch import Callback, LightningModule, Trainer
 
+from data.tokenizer import sha256_file
 from training.strategy import is_deepspeed
 
 log = logging.getLogger(__name__)
@@ -197,7 +198,7 @@ def config_hash(model_config: dict[str, Any]) -> str:
 def file_hash(path: str | Path | None) -> str | None:
     if path is None or not Path(path).is_file():
         return None
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+    return sha256_file(path)
 
 
 def versions() -> dict[str, str]:

@@ -21,15 +21,11 @@ from tqdm import tqdm
 
 from data.dataset import gather, val_starts
 from data.meta import open_tokens, read_meta
+from data.tokenizer import sha256_file
+from training.checkpoint import write_text_atomic
 from training.loading import CheckpointError, load_checkpoint
 
 log = logging.getLogger(__name__)
-
-
-def _sha256(path: Path) -> str:
-    import hashlib
-
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
 def piece_bytes(tokenizer_path: Path, vocab_size: int) -> np.ndarray:
@@ -58,7 +54,7 @@ def evaluate(checkpoint: str | Path, data: str | Path | None = None, split: str 
     if meta is None:
         raise CheckpointError(f"no prepared data at '{data_dir}' (no meta.json); run `normlab prepare` or pass --data")
     if loaded.tokenizer_path is not None and loaded.tokenizer_path.is_file():
-        if _sha256(loaded.tokenizer_path) != meta["tokenizer_sha256"]:
+        if sha256_file(loaded.tokenizer_path) != meta["tokenizer_sha256"]:
             raise CheckpointError(
                 f"'{data_dir}' was prepared with a different tokenizer (sha256 {meta['tokenizer_sha256'][:12]}…) than "
                 f"the one '{checkpoint}' was trained with ({loaded.tokenizer_path}); evaluate on data prepared with "
@@ -108,12 +104,6 @@ def _log_to_tensorboard(run_dir: Path, split: str, result: dict[str, Any]) -> No
             writer.add_scalar(f"eval/{split}/{tag}", result[key], result["step"])
 
 
-def _write_json(path: Path, result: dict[str, Any]) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(result, indent=2) + "\n")
-    tmp.replace(path)
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="normlab evaluate", description=__doc__.split("\n\n")[0])
     ap.add_argument("--checkpoint", required=True, help="a step directory, a .ckpt/.pt/.safetensors file or an export")
@@ -131,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"normlab evaluate: error: {err}", file=sys.stderr)
         return 2
     if args.output:
-        _write_json(args.output, result)
+        write_text_atomic(args.output, json.dumps(result, indent=2) + "\n")
     print(f"step {result['step']}: {split_line(result)}")
     return 0
 

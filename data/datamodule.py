@@ -1,8 +1,10 @@
 """``TokenDataModule``: a prepared directory as a resumable ``LightningDataModule``.
 
-The train loader's position comes from the trainer when ``train_dataloader()`` is called: Lightning restores
-``global_step`` before it builds the loaders on resume, so ``global_step * accumulate_grad_batches`` micro-
-batches are skipped without replay (see ``data.dataset``). The train loader is endless (an
+The train loader's position is the number of tokens the run has consumed, ``tokens_seen``: the tokens seen when
+the run (re)started, from the checkpoint (Lightning saves and restores the datamodule's ``state_dict``), plus
+``(global_step - step at the restart) * tokens per step`` for the steps since. Lightning restores both before it
+builds the loaders, so a resume starts at global sample ``tokens_seen // seq_len`` without replay (see
+``data.dataset``) — also on another world size, batch size or accumulation. The train loader is endless (an
 ``IterableDataset`` without a length): training ends at ``max_steps``, and position never depends on epoch
 boundaries, so configure validation with an integer ``val_check_interval`` and ``check_val_every_n_epoch=None``.
 """
@@ -52,6 +54,7 @@ class TokenDataModule(L.LightningDataModule):
         self.path, self.seq_len, self.batch_size, self.seed = Path(path), seq_len, batch_size, seed
         self.num_workers, self.val_batches, self.tokenizer = num_workers, val_batches, tokenizer
         self._meta: dict[str, Any] | None = None
+        self._restart = (0, 0)  # (global_step, tokens_seen) when this run started: from the checkpoint on resume
 
     # --- what the rest of normlab reads -------------------------------------------------------------------
     @property
@@ -84,6 +87,25 @@ class TokenDataModule(L.LightningDataModule):
     def tokens_per_step(self, accumulate_grad_batches: int = 1, world_size: int = 1) -> int:
         """Tokens predicted per optimizer step across all ranks."""
         return self.tokens_per_micro_batch * accumulate_grad_batches * world_size
+
+    def tokens_seen(self) -> int:
+        """Tokens predicted by all ranks before the trainer's current step, across every restart of the run."""
+        trainer = self.trainer
+        if trainer is None:
+            return self._restart[1]
+        step, tokens = self._restart
+        return tokens + (trainer.global_step - step) * self.tokens_per_step(trainer.accumulate_grad_batches,
+                                                                           trainer.world_size)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Saved in every checkpoint by Lightning: where the data stream stands."""
+        step = self.trainer.global_step if self.trainer is not None else self._restart[0]
+        return {"global_step": step, "tokens_seen": self.tokens_seen()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Called by Lightning on resume, before the loaders are built. (A checkpoint without this state resumes
+        at ``global_step * tokens per step`` of the current run's layout.)"""
+        self._restart = (int(state_dict["global_step"]), int(state_dict["tokens_seen"]))
 
     def check_model(self, vocab_size: int, max_seq_len: int) -> None:
         """Fail before training if the model cannot take this data."""
@@ -118,19 +140,21 @@ class TokenDataModule(L.LightningDataModule):
             check_enough_tokens(self._val_tokens(), self.seq_len, f"the validation split of '{self.path}'")
 
     def train_dataloader(self) -> DataLoader:
-        start_step, rank, world_size = self._position()
+        rank, world_size = self._position()
+        start = self.tokens_seen() // self.seq_len
         split = self.meta["splits"]["train"]
         dataset = TrainBatches(
             self.path / split["file"], self.meta["dtype"], split["tokens"], seq_len=self.seq_len,
-            batch_size=self.batch_size, seed=self.seed, start_step=start_step, rank=rank, world_size=world_size,
+            batch_size=self.batch_size, seed=self.seed, start_sample=start, rank=rank, world_size=world_size,
         )
-        logger.info("train data: rank %d/%d starts at micro-batch %d", rank, world_size, start_step)
+        logger.info("train data: rank %d/%d starts after %d samples (%d tokens seen)", rank, world_size, start,
+                    self.tokens_seen())
         return self._loader(dataset)
 
     def val_dataloader(self) -> DataLoader | list:
         if not self.val_batches or not self._val_tokens():
             return []  # Lightning reads an empty list as "no validation"
-        _, rank, world_size = self._position()
+        rank, world_size = self._position()
         if self.val_batches % world_size:
             logger.warning("val_batches %d is not a multiple of world size %d: some batches are evaluated twice",
                            self.val_batches, world_size)
@@ -146,12 +170,10 @@ class TokenDataModule(L.LightningDataModule):
         return self.val_dataloader()
 
     # --- helpers ------------------------------------------------------------------------------------------
-    def _position(self) -> tuple[int, int, int]:
-        """(micro-batches already consumed by each rank, rank, world size) from the attached trainer."""
+    def _position(self) -> tuple[int, int]:
+        """(rank, world size) from the attached trainer."""
         trainer = self.trainer
-        if trainer is None:
-            return 0, 0, 1
-        return trainer.global_step * trainer.accumulate_grad_batches, trainer.global_rank, trainer.world_size
+        return (0, 1) if trainer is None else (trainer.global_rank, trainer.world_size)
 
     def _loader(self, dataset: TrainBatches | ValBatches) -> DataLoader:
         # The datasets yield whole batches, so the loader does no batching or shuffling of its own.

@@ -3,12 +3,13 @@
 A sample is a window of ``seq_len + 1`` tokens (inputs and shifted targets). Windows start on a grid of
 stride ``seq_len`` shifted by a per-epoch offset, and each epoch visits the grid in a keyed random order.
 
-Position is counted in *micro-steps*: micro-batches each rank has consumed, ``global_step * accumulate +
-micro_batch``. The micro-batch that ``rank`` of ``world_size`` reads at micro-step ``m`` holds the global
-samples ``[(m * world_size + rank) * batch_size, ... + batch_size)``, and global sample ``s`` is window
-``permute(s mod n)`` of epoch ``s div n``. So a batch is a pure function of (seed, micro-step, rank, world
-size): resuming needs no replay, and ranks never share a window within an epoch. Resuming reproduces the
-straight run when world size and batch size are unchanged.
+Position is counted in *global samples*: windows consumed by all ranks together. A run that starts (or resumes)
+after ``start`` samples reads, on ``rank`` of ``world_size`` at its micro-step ``m`` (micro-batches this rank has
+read since the start), the global samples ``start + [(m * world_size + rank) * batch_size, ... + batch_size)``;
+global sample ``s`` is window ``permute(s mod n)`` of epoch ``s div n``. So a batch is a pure function of (seed,
+start, micro-step, rank, world size): resuming needs no replay, and ranks never share a window within an epoch.
+Resuming with ``start`` = samples consumed so far reproduces the straight run when world size and batch size are
+unchanged, and continues exactly where it stopped (no sample skipped or read twice) when they change.
 """
 
 from __future__ import annotations
@@ -71,11 +72,12 @@ def micro_step(global_step: int, micro_batch: int = 0, accumulate: int = 1) -> i
     return global_step * accumulate + micro_batch
 
 
-def sample_indices(step: int, rank: int, world_size: int, batch_size: int) -> np.ndarray:
-    """Global sample indices of the micro-batch ``rank`` reads at micro-step ``step``."""
+def sample_indices(step: int, rank: int, world_size: int, batch_size: int, start: int = 0) -> np.ndarray:
+    """Global sample indices of the micro-batch ``rank`` reads at micro-step ``step`` of a run that began after
+    ``start`` samples."""
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is outside world size {world_size}")
-    first = (step * world_size + rank) * batch_size
+    first = start + (step * world_size + rank) * batch_size
     return np.arange(first, first + batch_size, dtype=np.int64)
 
 
@@ -85,11 +87,12 @@ def gather(tokens: np.ndarray, starts: np.ndarray, length: int) -> np.ndarray:
 
 
 def train_batch(
-    tokens: np.ndarray, *, seq_len: int, batch_size: int, seed: int, step: int, rank: int = 0, world_size: int = 1
+    tokens: np.ndarray, *, seq_len: int, batch_size: int, seed: int, step: int, rank: int = 0, world_size: int = 1,
+    start: int = 0,
 ) -> np.ndarray:
     """The training micro-batch [batch_size, seq_len + 1] at micro-step ``step`` (see module docstring)."""
     sampler = WindowSampler(len(tokens), seq_len, seed)
-    return gather(tokens, sampler.starts(sample_indices(step, rank, world_size, batch_size)), seq_len + 1)
+    return gather(tokens, sampler.starts(sample_indices(step, rank, world_size, batch_size, start)), seq_len + 1)
 
 
 def val_starts(n_tokens: int, seq_len: int, n_windows: int) -> np.ndarray:
@@ -126,21 +129,21 @@ class _TokenFile(IterableDataset):
 
 
 class TrainBatches(_TokenFile):
-    """Endless training micro-batches from ``start_step`` on; training stops at ``max_steps``."""
+    """Endless training micro-batches after ``start_sample`` global samples; training stops at ``max_steps``."""
 
     def __init__(
         self, path: Path, dtype: str, n_tokens: int, *, seq_len: int, batch_size: int, seed: int,
-        start_step: int = 0, rank: int = 0, world_size: int = 1,
+        start_sample: int = 0, rank: int = 0, world_size: int = 1,
     ) -> None:
         super().__init__(path, dtype, n_tokens)
         self.sampler = WindowSampler(n_tokens, seq_len, seed)
-        self.batch_size, self.start_step, self.rank, self.world_size = batch_size, start_step, rank, world_size
+        self.batch_size, self.start_sample, self.rank, self.world_size = batch_size, start_sample, rank, world_size
 
     def __iter__(self) -> Iterator[torch.Tensor]:
         tokens = self._tokens()
         worker, workers = self._worker_share()
-        for step in itertools.count(self.start_step + worker, workers):
-            samples = sample_indices(step, self.rank, self.world_size, self.batch_size)
+        for step in itertools.count(worker, workers):
+            samples = sample_indices(step, self.rank, self.world_size, self.batch_size, self.start_sample)
             starts = self.sampler.starts(samples)
             yield torch.from_numpy(gather(tokens, starts, self.sampler.seq_len + 1))
 

@@ -64,6 +64,24 @@ def test_position_comes_from_the_trainer(data_dir: Path) -> None:
     assert all(torch.equal(a, b) for a, b in zip(straight[6:], resumed, strict=True))
 
 
+def test_tokens_seen_carry_over_a_world_size_change(data_dir: Path) -> None:
+    """The position is the tokens consumed, carried in the datamodule's state: 3 steps on 2 ranks with accumulation
+    2, resumed on 3 ranks without accumulation, go on at the next unread sample."""
+    dm = make(data_dir)
+    dm.trainer = stand_in(global_step=3, accumulate=2, world=2)
+    state = dm.state_dict()
+    assert state == {"global_step": 3, "tokens_seen": 3 * 2 * 2 * BATCH * SEQ}
+    single = first(make(data_dir).train_dataloader(), 18)
+    for rank in range(3):
+        resumed = make(data_dir)
+        resumed.load_state_dict(state)
+        resumed.trainer = stand_in(global_step=3, rank=rank, world=3)
+        got = first(resumed.train_dataloader(), 2)
+        assert torch.equal(got[0], single[12 + rank]) and torch.equal(got[1], single[15 + rank])
+        resumed.trainer = stand_in(global_step=5, rank=rank, world=3)  # two more steps of 3 micro-batches
+        assert resumed.tokens_seen() == (12 + 2 * 3) * BATCH * SEQ
+
+
 def test_ranks_get_different_batches(data_dir: Path) -> None:
     dm = make(data_dir)
     dm.trainer = stand_in(rank=0, world=2)
@@ -177,10 +195,10 @@ class _Recorder(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.0)
 
 
-def _fit(data_dir: Path, ckpt_dir: Path, ckpt_path: str | None = None) -> list[torch.Tensor]:
+def _fit(data_dir: Path, ckpt_dir: Path, ckpt_path: str | None = None, accumulate: int = 2) -> list[torch.Tensor]:
     model = _Recorder()
     trainer = L.Trainer(
-        max_steps=4, accumulate_grad_batches=2, accelerator="cpu", devices=1, logger=False,
+        max_steps=4, accumulate_grad_batches=accumulate, accelerator="cpu", devices=1, logger=False,
         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0,
         callbacks=[ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=2, save_top_k=-1)],
     )
@@ -195,3 +213,13 @@ def test_resume_from_a_lightning_checkpoint_continues_exactly(data_dir: Path, tm
     resumed = _fit(data_dir, tmp_path / "b", ckpt_path=str(tmp_path / "a" / "epoch=0-step=2.ckpt"))
     assert len(resumed) == 4
     assert all(torch.equal(a, b) for a, b in zip(straight[4:], resumed, strict=True))
+
+
+@pytest.mark.filterwarnings("ignore:The dirpath has changed", "ignore:You passed in a `val_dataloader`")
+def test_resume_with_other_accumulation_continues_by_tokens(data_dir: Path, tmp_path: Path) -> None:
+    """Resumed at step 2 (4 micro-batches read) without accumulation, the run reads the 5th and 6th micro-batches
+    of the straight run, not the 3rd and 4th that counting by steps would give."""
+    straight = _fit(data_dir, tmp_path / "a")
+    resumed = _fit(data_dir, tmp_path / "b", ckpt_path=str(tmp_path / "a" / "epoch=0-step=2.ckpt"), accumulate=1)
+    assert len(resumed) == 2
+    assert all(torch.equal(a, b) for a, b in zip(straight[4:6], resumed, strict=True))

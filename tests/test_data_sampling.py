@@ -59,6 +59,17 @@ def test_resume_at_step_k_continues_the_straight_run() -> None:
     assert all(np.array_equal(a, b) for a, b in zip(straight[k * accumulate :], resumed, strict=True))
 
 
+def test_a_resume_on_another_world_size_continues_the_sample_stream() -> None:
+    """Two ranks read 5 micro-steps; the run resumes on three ranks after the samples consumed: together they read
+    every global sample once, in order — none skipped, none read twice."""
+    read = [sample_indices(m, r, 2, BATCH) for m in range(5) for r in range(2)]
+    start = 5 * 2 * BATCH
+    read += [sample_indices(m, r, 3, BATCH, start=start) for m in range(4) for r in range(3)]
+    assert np.array_equal(np.concatenate(read), np.arange(start + 4 * 3 * BATCH))
+    resumed = train_batch(TOKENS, seq_len=SEQ, batch_size=BATCH, seed=1234, step=0, rank=0, world_size=3, start=start)
+    assert np.array_equal(resumed, batch(start // BATCH))  # the single-rank run's micro-batch at that point
+
+
 def test_an_epoch_visits_every_window_once_and_epochs_differ() -> None:
     sampler = WindowSampler(len(TOKENS), SEQ, seed=9)
     n = sampler.n_windows

@@ -14,11 +14,12 @@ train for real on CPU — which is how the multi-process tests exercise ZeRO wit
 3. `deepspeed.initialize(args=Namespace(device_rank=root_device.index))`: the index is None on CPU and the
    engine fails on `None >= 0`; pass 0 (DeepSpeed's CPU accelerator ignores it).
 
-Resuming on another world size (ZeRO-1/2): DeepSpeed refuses to load optimizer shards written by another
+Resuming on another world size (ZeRO-1/2/3): DeepSpeed refuses to load optimizer shards written by another
 number of ranks. `load_checkpoint` then converts the checkpoint once into DeepSpeed's universal format (rank 0,
 `deepspeed.checkpoint.ds_to_universal`, cached inside the checkpoint directory as `checkpoint_universal/` +
 `latest_universal`, written to a temporary name and renamed) and loads that, which re-partitions the fp32
-weights and Adam moments for the new world size. ZeRO-3 is refused earlier (see `checkpoint.check_reshard`).
+weights and Adam moments for the new world size (and repairs two slips of the ZeRO-3 loader, see
+`_repair_zero3_universal_load`). DeepSpeed without ZeRO is refused earlier (see `check_reshard`).
 
 Plus one robustness fix: DeepSpeed's torch backend JIT-compiles a shared-memory all-reduce op with g++ when it
 starts (~60-90 s the first time, a crash without a compiler). That op only serves DeepSpeed's *inference*
@@ -153,10 +154,13 @@ class DeepSpeed(DeepSpeedStrategy):
                     checkpoint_path, saved_world, self.world_size)
         config = self.deepspeed_engine._config  # the engine reads this flag at load time only
         config.load_universal_checkpoint = True
+        optimizer = self.deepspeed_engine.optimizer
+        own = [{k: v for k, v in g.items() if k not in ("params", "lr")} for g in optimizer.param_groups]
         try:
             return super().load_checkpoint(checkpoint_path, weights_only)
         finally:
             config.load_universal_checkpoint = False
+            _repair_zero3_universal_load(optimizer, own)
 
     def backward(self, closure_loss: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
         # Lightning has already divided the loss by accumulate_grad_batches; DeepSpeed's engine.backward would
@@ -179,6 +183,22 @@ class DeepSpeed(DeepSpeedStrategy):
 
 
 DeepSpeed.register_strategies(StrategyRegistry)
+
+
+def _repair_zero3_universal_load(optimizer: Any, own: list[dict[str, Any]]) -> None:
+    """Undo two slips of DeepSpeed's ZeRO-3 universal loader (deepspeed 0.19; its ZeRO-1/2 loader is exact):
+    - it gives every parameter group the hyper-parameters of the first, so the no-decay group would get weight
+      decay: put back each group's own (`own`, read before the load; the learning rate, the same in every group,
+      stays as loaded — it is the LR schedule's position);
+    - it stores one `step` tensor in every group's state, which AdamW increments in place once per group, so the
+      second group's bias correction would run a step ahead per step: give each state its own copy.
+    Both are no-ops where the load was already right. Checked by resuming on another world size and comparing
+    with the straight run (tests/test_reliability_deepspeed.py)."""
+    for group, hyper in zip(optimizer.param_groups, own, strict=True):
+        group.update(hyper)
+    for state in getattr(getattr(optimizer, "optimizer", None), "state", {}).values():
+        if torch.is_tensor(state.get("step")):
+            state["step"] = state["step"].clone()
 
 
 def to_universal(ckpt_dir: Path) -> None:

@@ -1,4 +1,5 @@
-"""Fault injection for the reliability tests: NaN gradients at chosen steps, and kill -9 of a paused run."""
+"""Fault injection for the reliability tests: NaN gradients and loss spikes at chosen steps, and kill -9 of a
+paused run."""
 from __future__ import annotations
 
 import os
@@ -34,6 +35,20 @@ class InjectNaNGrad(Callback):
         if self._handle is not None:
             self._handle.remove()
             self._handle = None
+
+
+class InjectLossSpike(Callback):
+    """Multiplies the training loss by `factor`, on every rank and micro-batch of each of `steps` (update numbers),
+    just before its backward — a loss spike, as after a burst of bad data, but sure to stand out on a tiny model
+    that is still near uniform (where even random tokens barely raise the loss). It must come before the guard
+    in the callback list (the CLI appends the guard after the configured callbacks)."""
+
+    def __init__(self, steps: list[int], factor: float = 10.0) -> None:
+        self.steps, self.factor = set(steps), factor
+
+    def on_before_backward(self, trainer, pl_module, loss) -> None:
+        if trainer.global_step + 1 in self.steps:
+            loss.mul_(self.factor)  # in place: the guard and the backward see the same, spiked loss
 
 
 def kill_when_paused(args: list[str], cwd: Path, fault: str, marker: Path, timeout: float = 300) -> str:

@@ -21,9 +21,12 @@ Policies (`--guard.policy`):
   `engine.skipped_steps`, raising if the engine applied the step anyway.
 DeepSpeed's own skipped steps (fp16/bf16 overflow) are logged and count toward `max_consecutive_skips` too.
 
-Loss spikes: the z-score of the step's loss against the previous `spike_window` finite losses is logged as
-`guard/loss_z`. With `skip_spike_z` set, steps whose z-score exceeds it are skipped as above (not under
-DeepSpeed, whose engine would apply them: refused at setup).
+Loss spikes: the z-score of the step's loss against the previous `spike_window` finite losses of applied
+steps is logged as `guard/loss_z`. With `skip_spike_z` set (policy `skip`), steps whose z-score exceeds it are
+skipped as above. Under DeepSpeed the verdict is reached before the last micro-batch's backward (the step's
+losses are known by then), and a spiking step's gradient is made NaN through a hook on that loss, so the
+engine's own overflow check drops the update — the same, verified path as a real overflow. (With fp16 dynamic
+loss scaling that also halves the loss scale once, as any overflow does.)
 
 Step numbers are update numbers, as in TensorBoard: the update computed while `global_step == s` is step s+1.
 """
@@ -74,11 +77,7 @@ class NonFiniteGuard(Callback):
         self._skip_this_step = False
         self._decided = False  # on_before_optimizer_step ran for the current step
         self._ds_skipped = 0
-
-    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        if self.skip_spike_z is not None and is_deepspeed(trainer.strategy):
-            raise ValueError("guard.skip_spike_z is not supported under DeepSpeed: its engine applies every step "
-                             "with a finite gradient (spikes are still logged as guard/loss_z); unset it")
+        self._judged: tuple[bool, float, float] | None = None  # the step's loss verdict, when reached early
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if is_deepspeed(trainer.strategy):
@@ -86,6 +85,14 @@ class NonFiniteGuard(Callback):
 
     def on_before_backward(self, trainer: Trainer, pl_module: LightningModule, loss: torch.Tensor) -> None:
         self._step_losses.append(loss.detach())
+        if self.skip_spike_z is None or not is_deepspeed(trainer.strategy):
+            return
+        if not trainer.strategy.deepspeed_engine.is_gradient_accumulation_boundary():
+            return
+        # The engine applies any step with a finite gradient: decide now, while the gradient can still be poisoned.
+        self._judged = self._judge_loss(trainer, pl_module)
+        if self._is_spike(*self._judged):
+            loss.register_hook(lambda grad: torch.full_like(grad, float("nan")))
 
     def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Any) -> None:
         deepspeed = is_deepspeed(trainer.strategy)
@@ -93,15 +100,11 @@ class NonFiniteGuard(Callback):
             return
         step = trainer.global_step + 1
         self._decided = True
-        local = torch.stack(self._step_losses).float().mean() if self._step_losses else torch.zeros(())
-        self._step_losses = []
-        finite = torch.isfinite(local)
-        # [sum of finite losses, non-finite count] over ranks: the same verdict everywhere.
-        totals = trainer.strategy.reduce(torch.stack([torch.where(finite, local, 0.0), (~finite).float()]).to(
-            pl_module.device), reduce_op="sum")
-        loss_ok = totals[1].item() == 0
-        loss = totals[0].item() / trainer.world_size
-        bad = self._nonfinite_grads(trainer, pl_module, deepspeed)
+        loss_ok, loss, z = self._judged or self._judge_loss(trainer, pl_module)
+        self._judged = None
+        spike = self._is_spike(loss_ok, loss, z)
+        # Under DeepSpeed a spiking step's gradient was made NaN on purpose (on_before_backward): not a fault.
+        bad = [] if spike and deepspeed else self._nonfinite_grads(trainer, pl_module, deepspeed)
         if not loss_ok or bad:
             what = (f"non-finite gradient, first in {_layer(bad[0])} ({len(bad)} parameters)" if bad else
                     "non-finite loss")
@@ -112,9 +115,8 @@ class NonFiniteGuard(Callback):
                     "or use --guard.policy skip")
             self._skip(trainer, pl_module, deepspeed, f"{what} at step {step}")
             return
-        z = self._zscore(loss)
         self._log(trainer, {"guard/loss_z": z}, step)
-        if self.skip_spike_z is not None and z > self.skip_spike_z:
+        if spike:
             self._skip(trainer, pl_module, deepspeed, f"loss spike at step {step} (z={z:.1f})")
             return
         self._losses.append(loss)
@@ -138,6 +140,22 @@ class NonFiniteGuard(Callback):
         self._skip_this_step = self._decided = False
 
     # -- helpers -----------------------------------------------------------------------------------------
+    def _judge_loss(self, trainer: Trainer, pl_module: LightningModule) -> tuple[bool, float, float]:
+        """(finite on every rank, the step's loss: mean over micro-batches and ranks, its z-score). A collective:
+        every rank calls it at the same point, and all get the same verdict."""
+        local = torch.stack(self._step_losses).float().mean() if self._step_losses else torch.zeros(())
+        self._step_losses = []
+        finite = torch.isfinite(local)
+        # [sum of finite losses, non-finite count] over ranks.
+        totals = trainer.strategy.reduce(torch.stack([torch.where(finite, local, 0.0), (~finite).float()]).to(
+            pl_module.device), reduce_op="sum")
+        loss_ok = totals[1].item() == 0
+        loss = totals[0].item() / trainer.world_size
+        return loss_ok, loss, self._zscore(loss) if loss_ok else 0.0
+
+    def _is_spike(self, loss_ok: bool, loss: float, z: float) -> bool:
+        return loss_ok and self.skip_spike_z is not None and z > self.skip_spike_z
+
     def _nonfinite_grads(self, trainer: Trainer, pl_module: LightningModule, deepspeed: bool) -> list[str]:
         grad_of = lambda p: p.grad  # noqa: E731
         if deepspeed:

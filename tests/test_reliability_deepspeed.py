@@ -91,20 +91,63 @@ def test_kill_between_steps_and_during_save(workdir, reference, tmp_path):
     assert scalars(run, "train/loss") == scalars(reference, "train/loss")
 
 
+def max_weight_diff(a: Path, b: Path, scratch: Path) -> float:
+    """Largest absolute difference between the consolidated weights of two checkpoint directories."""
+    left, right = consolidated_state_dict(a, scratch), consolidated_state_dict(b, scratch)
+    assert left.keys() == right.keys()
+    return max((left[k] - right[k]).abs().max().item() for k in left)
+
+
+TOKENS_PER_MICRO_BATCH = 4 * 16  # batch · seq_len (tiny.yaml)
+
+
 @pytest.mark.parametrize("devices", [1, 3])
-def test_resume_on_another_world_size(workdir, reference, devices):
-    """Step 6 of the 2-rank run resumes on 1 and on 3 ranks (ZeRO-2 reshards its optimizer state on load) and
-    the loss goes on from where it was: steps 7-8 within 1% of the 2-rank run (the batches differ: another
-    world size, another global batch; measured ~0.4%, while fresh weights would be ~5% off)."""
+def test_resume_on_another_world_size(workdir, reference, devices, tmp_path):
+    """Step 6 of the 2-rank run resumes on 1 and on 3 ranks (DeepSpeed's universal checkpoint reshards the
+    optimizer state) and the data goes on after the tokens consumed, whatever the new layout:
+    - on 1 rank with accumulation 4 the global batch is the 2-rank run's, so steps 7-8 read the same samples
+      and the final weights equal the 2-rank run's to fp32 rounding (measured 4e-9; the two steps move weights
+      by 5e-4) — exact resharding and an exact data position;
+    - on 3 ranks (another global batch) the loss goes on from where it was: within 1% (measured ~0.4%; fresh
+      weights would be ~5% off), and the manifest counts the tokens of both layouts."""
     name = f"resharded-{devices}"
-    run_normlab(fit_args(workdir, name, "--ckpt_path", str(ckpt(workdir, "reference", 6)), devices=devices),
-                cwd=workdir)
+    accumulate = 4 if devices == 1 else 2
+    run_normlab(fit_args(workdir, name, "--ckpt_path", str(ckpt(workdir, "reference", 6)),
+                         "--trainer.accumulate_grad_batches", str(accumulate), devices=devices), cwd=workdir)
     manifest = json.loads((ckpt(workdir, name, 8) / "manifest.json").read_text())
     assert manifest["world_size"] == devices and manifest["step"] == 8
+    assert manifest["tokens_seen"] == (6 * 2 * 2 + 2 * accumulate * devices) * TOKENS_PER_MICRO_BATCH
     losses, expected = scalars(workdir / "runs" / name, "train/loss"), scalars(reference, "train/loss")
     assert sorted(losses) == [7, 8]
+    if devices == 1:
+        assert max_weight_diff(ckpt(workdir, "reference", 8), ckpt(workdir, name, 8), tmp_path) < 1e-6
     for step in (7, 8):
         assert losses[step] == pytest.approx(expected[step], rel=0.01), (step, losses, expected)
+
+
+def test_zero1_resumes_on_one_rank(workdir, reference, tmp_path):
+    """ZeRO-1 (partitioned optimizer state, whole gradients) through the same universal conversion: 2 ranks to
+    step 6, then 1 rank with the same global batch, ends at the ZeRO-2 reference's weights to fp32 rounding
+    (the stages differ only in summation order: measured 1e-7)."""
+    schedule = ["--trainer.strategy", "zero1", "--optim.decay_steps", "8"]  # the reference's LR schedule
+    run_normlab([*fit_args(workdir, "zero1", *schedule), "--trainer.max_steps", "6"], cwd=workdir)
+    run_normlab(fit_args(workdir, "zero1", *schedule, "--ckpt_path", "last", "--trainer.accumulate_grad_batches", "4",
+                         devices=1), cwd=workdir)
+    assert json.loads((ckpt(workdir, "zero1", 8) / "manifest.json").read_text())["zero_stage"] == 1
+    assert max_weight_diff(ckpt(workdir, "reference", 8), ckpt(workdir, "zero1", 8), tmp_path) < 1e-6
+
+
+def test_a_shard_write_failing_on_rank_1_stops_every_rank(workdir):
+    """ENOSPC while rank 1 writes its shards of step 4: rank 1 holds the error through the save's remaining
+    collectives instead of leaving rank 0 waiting in them forever; then both ranks stop with the same error,
+    naming rank 1, and the partial checkpoint is moved aside (step 2 intact, for --ckpt_path last)."""
+    proc = run_normlab(fit_args(workdir, "shard-enospc"), cwd=workdir, expect_ok=False, timeout=180,
+                       NORMLAB_FAULT="enospc_shard@4", NORMLAB_FAULT_RANK="1")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert "saving checkpoint step 4 into" in out and "failed: the disk is full (rank 1: OSError: [Errno 28]" in out, \
+        out[-3000:]
+    assert steps_on_disk(workdir, "shard-enospc") == ["incomplete", "step-00000002"]
 
 
 def guard_args(workdir: Path, name: str, *extra: str) -> list[str]:
@@ -140,3 +183,25 @@ def _tags(run: Path) -> list[str]:
     acc = EventAccumulator(str(run))
     acc.Reload()
     return acc.Tags()["scalars"]
+
+
+def test_zero3_skips_nan_and_spike_then_reshards(workdir, tmp_path):
+    """ZeRO-3, 2 ranks, `skip` with a spike threshold: a NaN gradient at update 3 (rank 1 only) and a 10x loss at
+    update 5 are both dropped by the engine itself (the guard poisons the spiking step's gradient before its
+    backward and checks engine.skipped_steps), so checkpoints 3 and 5 hold exactly the weights of 2 and 4.
+    Then step 6 resumes on 1 rank with the same global batch and reaches the 2-rank run's step 8 to fp32
+    rounding — DeepSpeed's ZeRO-3 universal loader needs two repairs for that (training/strategy.py)."""
+    name, run = "zero3-faults", workdir / "runs" / "zero3-faults"
+    faults = ["-c", str(HELPERS / "faults.yaml"), "--guard.policy", "skip", "--guard.skip_spike_z", "3"]
+    run_normlab([*fit_args(workdir, name, "--trainer.strategy", "zero3", "--checkpoint.every_n_steps", "1",
+                           "--checkpoint.keep_last_n", "null"), *faults], cwd=workdir)
+    assert scalars(run, "guard/skipped_steps") == {3: 1.0, 5: 2.0}
+    assert scalars(run, "guard/loss_z")[5] > 100
+    assert max_weight_diff(ckpt(workdir, name, 2), ckpt(workdir, name, 3), tmp_path) == 0
+    assert max_weight_diff(ckpt(workdir, name, 4), ckpt(workdir, name, 5), tmp_path) == 0
+    assert max_weight_diff(ckpt(workdir, name, 5), ckpt(workdir, name, 6), tmp_path) > 1e-4
+
+    resumed = "zero3-resharded"
+    run_normlab(fit_args(workdir, resumed, "--trainer.strategy", "zero3", "--ckpt_path", str(ckpt(workdir, name, 6)),
+                         "--trainer.accumulate_grad_batches", "4", devices=1), cwd=workdir)
+    assert max_weight_diff(ckpt(workdir, name, 8), ckpt(workdir, resumed, 8), tmp_path) < 1e-6

@@ -71,6 +71,23 @@ def test_guard_skip_leaves_weights_and_optimizer_untouched_then_aborts(root, tmp
     assert not step_dir(root, "skip", 6).exists()
 
 
+def test_guard_skips_a_loss_spike(root, tmp_path, caplog):
+    """A 10x loss at update 5 with `skip` and skip_spike_z=3: the z-score is logged, the update is dropped
+    (checkpoint 5 holds exactly checkpoint 4's weights and AdamW state) and training goes on."""
+    spike = tmp_path / "spike.yaml"
+    spike.write_text("trainer:\n  callbacks:\n    - class_path: tests.helpers.faults.InjectLossSpike\n"
+                     "      init_args: {steps: [5]}\n")
+    with caplog.at_level("WARNING", logger="training.callbacks.guard"):
+        fit(root, "spike", "-c", str(spike), "--guard.policy", "skip", "--guard.skip_spike_z", "3",
+            "--checkpoint.every_n_steps", "1", "--trainer.max_steps", "6")
+    assert "skipped update: loss spike at step 5" in caplog.text
+    four, five, six = (torch.load(step_dir(root, "spike", s) / "model.ckpt", weights_only=True) for s in (4, 5, 6))
+    assert all(torch.equal(four["state_dict"][k], five["state_dict"][k]) for k in four["state_dict"])
+    state4, state5 = (c["optimizer_states"][0]["state"] for c in (four, five))
+    assert all(torch.equal(state4[i][k], state5[i][k]) for i in state4 for k in state4[i])
+    assert not all(torch.equal(five["state_dict"][k], six["state_dict"][k]) for k in five["state_dict"])
+
+
 def test_disk_full_during_save(root, monkeypatch):
     """ENOSPC while the manifest of step 4 is written: a clear error, the partial checkpoint moved aside, the
     previous one intact — and `--ckpt_path last` resumes from it."""
@@ -141,11 +158,15 @@ def test_interrupted_step_dir_is_refused_and_last_skips_it(tmp_path):
     assert moved == ckpts / "incomplete" / "step-00000006" and moved.is_dir()
 
 
-def test_zero3_world_size_change_is_refused():
+def test_world_size_change_without_zero_is_refused():
+    """DeepSpeed without ZeRO (stage 0) has no ZeRO shards to convert to the universal format."""
     trainer = SimpleNamespace(world_size=1, is_global_zero=True)
-    manifest = {"step": 4, "world_size": 2, "zero_stage": 3, "format": "deepspeed"}
-    with pytest.raises(CheckpointError, match=r"\(ZeRO-3, 2 ranks\) on 1 ranks: ZeRO-3 shards do not reshard"):
+    manifest = {"step": 4, "world_size": 2, "zero_stage": 0, "format": "deepspeed"}
+    with pytest.raises(CheckpointError, match=r"\(DeepSpeed ZeRO stage 0, 2 ranks\) on 1 ranks: only ZeRO-1/2/3 "
+                                              r"checkpoints convert"):
         checkpoint.check_reshard(Path("step-00000004"), manifest, trainer)
+    for stage in (1, 2, 3):
+        checkpoint.check_reshard(Path("step-00000004"), {**manifest, "zero_stage": stage}, trainer)
 
 
 @pytest.mark.parametrize("make, message", [

@@ -19,8 +19,13 @@ only directories with a manifest; at the next fit, rank 0 moves incomplete ones 
 and logs it — nothing is deleted silently.
 
 Fault injection for tests (`NORMLAB_FAULT=<point>@<step>`, with `NORMLAB_FAULT_MARKER=<file>` touched when
-a pause begins): `pause_after_shards` (every shard written, no manifest yet), `pause_before_step` (between
-optimizer steps), `enospc_manifest` (the manifest write fails with ENOSPC, as on a full disk).
+a pause begins; `NORMLAB_FAULT_RANK=<r>` limits it to one rank): `pause_after_shards` (every shard written, no
+manifest yet), `pause_before_step` (between optimizer steps), `enospc_manifest` (the manifest write fails with
+ENOSPC, as on a full disk), `enospc_shard` (a checkpoint file write fails with ENOSPC).
+
+A rank whose file write fails does not raise at once: it would leave the other ranks waiting forever in the
+save's remaining collectives. Its error is held until the save is over on every rank, then gathered, and every
+rank raises the same error, naming the rank and its cause.
 """
 from __future__ import annotations
 
@@ -35,9 +40,12 @@ import shutil
 import subprocess
 import time
 from importlib import metadata
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 
 from data.tokenizer import sha256_file
@@ -53,7 +61,7 @@ MODEL_CONFIG_FILE = "model_config.json"
 LIGHTNING_FILE = "model.ckpt"  # the checkpoint file inside the directory when not under DeepSpeed
 TMP_PREFIX = ".tmp-"
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
-FAULT_ENV, FAULT_MARKER_ENV = "NORMLAB_FAULT", "NORMLAB_FAULT_MARKER"
+FAULT_ENV, FAULT_MARKER_ENV, FAULT_RANK_ENV = "NORMLAB_FAULT", "NORMLAB_FAULT_MARKER", "NORMLAB_FAULT_RANK"
 
 
 class CheckpointError(ValueError):
@@ -248,10 +256,12 @@ def write_text_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def fault(point: str, step: int) -> None:
+def fault(point: str, step: int, rank: int | None = None) -> None:
     """The test injection point `point` at optimizer step `step` (see the module docstring); a no-op unless
-    NORMLAB_FAULT names it."""
+    NORMLAB_FAULT names it (and NORMLAB_FAULT_RANK, when set, names `rank`)."""
     if os.environ.get(FAULT_ENV) != f"{point}@{step}":
+        return
+    if os.environ.get(FAULT_RANK_ENV) not in (None, str(rank)):
         return
     if point.startswith("enospc"):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC) + f" (injected by {FAULT_ENV})")
@@ -260,6 +270,42 @@ def fault(point: str, step: int) -> None:
         Path(os.environ[FAULT_MARKER_ENV]).write_text(f"{point}@{step} pid={os.getpid()}\n")
     while True:
         time.sleep(1)
+
+
+@contextmanager
+def _write_errors_held(trainer: Trainer) -> Iterator[list[str]]:
+    """Within the block, an OSError from one of this rank's checkpoint file writes (DeepSpeed's checkpoint engine,
+    or Lightning's checkpoint IO) is recorded in the yielded list instead of raised, so the rank goes on through
+    the save's remaining collectives."""
+    held: list[str] = []
+    strategy = trainer.strategy
+    owner, name = ((strategy.deepspeed_engine.checkpoint_engine, "save") if is_deepspeed(strategy)
+                   else (strategy.checkpoint_io, "save_checkpoint"))
+    write = getattr(owner, name)
+
+    def holding(*args: Any, **kwargs: Any) -> Any:
+        try:
+            fault("enospc_shard", trainer.global_step, trainer.global_rank)
+            return write(*args, **kwargs)
+        except OSError as err:
+            log.error("rank %d could not write its checkpoint file: %s", trainer.global_rank, err)
+            held.append(f"{type(err).__name__}: {err}")
+            return None
+
+    setattr(owner, name, holding)
+    try:
+        yield held
+    finally:
+        setattr(owner, name, write)
+
+
+def _gather(trainer: Trainer, value: str | None) -> list[str | None]:
+    """Every rank's `value`, in rank order, on every rank."""
+    if trainer.world_size == 1 or not torch.distributed.is_initialized():
+        return [value]
+    values: list[str | None] = [None] * trainer.world_size
+    torch.distributed.all_gather_object(values, value)
+    return values
 
 
 def _zero_stage(trainer: Trainer) -> int | None:
@@ -333,9 +379,11 @@ class StepCheckpoint(Callback):
         trainer.strategy.barrier("StepCheckpoint.prepare")
         deepspeed = is_deepspeed(trainer.strategy)
         # Every rank calls save_checkpoint: it is a collective (shards, RNG gather), and it ends in a barrier.
-        trainer.save_checkpoint(tmp if deepspeed else tmp / LIGHTNING_FILE, weights_only=False)
-        error = None
-        if trainer.is_global_zero:
+        with _write_errors_held(trainer) as held:
+            trainer.save_checkpoint(tmp if deepspeed else tmp / LIGHTNING_FILE, weights_only=False)
+        failed = _gather(trainer, held[0] if held else None)
+        error = "; ".join(f"rank {rank}: {err}" for rank, err in enumerate(failed) if err) or None
+        if trainer.is_global_zero and error is None:
             fault("pause_after_shards", step)
             try:
                 self._commit(tmp, final, trainer, pl_module, "deepspeed" if deepspeed else "lightning")
@@ -382,8 +430,7 @@ class StepCheckpoint(Callback):
         datamodule = trainer.datamodule
         manifest = {
             "step": trainer.global_step,
-            "tokens_seen": trainer.global_step * datamodule.tokens_per_step(trainer.accumulate_grad_batches,
-                                                                             trainer.world_size),
+            "tokens_seen": datamodule.tokens_seen(),  # across restarts, also on other world sizes
             "format": fmt,
             "world_size": trainer.world_size,
             "zero_stage": _zero_stage(trainer),
@@ -429,15 +476,12 @@ def check_resume(ckpt_dir: Path, trainer: Trainer, pl_module: LightningModule) -
 def check_reshard(ckpt_dir: Path, manifest: dict[str, Any], trainer: Trainer) -> None:
     """A world-size change on resume: which formats reshard, and what happens to the data position."""
     saved_world, stage = manifest["world_size"], manifest.get("zero_stage")
-    if manifest.get("format") == "deepspeed" and stage not in (0, 1, 2):
+    if manifest.get("format") == "deepspeed" and stage not in (1, 2, 3):
         raise CheckpointError(
-            f"cannot resume {ckpt_dir} (ZeRO-{stage}, {saved_world} ranks) on {trainer.world_size} ranks: ZeRO-3 "
-            f"shards do not reshard on load. Resume on {saved_world} ranks, or start a new run from its "
-            "consolidated weights (`normlab export`)")
+            f"cannot resume {ckpt_dir} (DeepSpeed ZeRO stage {stage}, {saved_world} ranks) on {trainer.world_size} "
+            "ranks: only ZeRO-1/2/3 checkpoints convert to DeepSpeed's universal format. Resume on "
+            f"{saved_world} ranks, or start a new run from its consolidated weights (`normlab export`)")
     if trainer.is_global_zero:
-        # The sampler maps (micro-step, rank, world size) to samples: with another world size the run goes on
-        # from global sample step·accumulate·W'·B instead of step·accumulate·W·B (see data/dataset.py).
-        log.warning("resuming %s, written by %d ranks, on %d ranks: optimizer state is resharded; the data "
-                    "position continues by step (tokens seen so far: %s), so within this epoch a few samples "
-                    "are %s", ckpt_dir, saved_world, trainer.world_size, manifest.get("tokens_seen"),
-                    "skipped" if trainer.world_size > saved_world else "read twice")
+        log.warning("resuming %s, written by %d ranks, on %d ranks: optimizer state is resharded; the data goes on "
+                    "after the %s tokens seen so far", ckpt_dir, saved_world, trainer.world_size,
+                    manifest.get("tokens_seen"))

@@ -17,7 +17,10 @@ from tests.helpers.data import make_tiny_corpus
 from tests.helpers.multiproc import REPO
 from training import checkpoint
 from training.callbacks.guard import NonFiniteError, NonFiniteGuard
-from training.checkpoint import CheckpointError, StepCheckpoint
+from training import resume
+from training.callbacks import step_checkpoint
+from training.callbacks.step_checkpoint import StepCheckpoint
+from training.checkpoint import CheckpointError
 from training.cli import main
 from training.loading import load_checkpoint
 
@@ -91,14 +94,14 @@ def test_guard_skips_a_loss_spike(root, tmp_path, caplog):
 def test_disk_full_during_save(root, monkeypatch):
     """ENOSPC while the manifest of step 4 is written: a clear error, the partial checkpoint moved aside, the
     previous one intact — and `--ckpt_path last` resumes from it."""
-    monkeypatch.setenv(checkpoint.FAULT_ENV, "enospc_manifest@4")
+    monkeypatch.setenv(step_checkpoint.FAULT_ENV, "enospc_manifest@4")
     with pytest.raises(CheckpointError, match=r"saving checkpoint step 4 into .* failed: the disk is full .*moved "
                                               r"to .*incomplete/step-00000004.*resume with --ckpt_path last"):
         fit(root, "full")
     ckpts = root / "runs" / "full" / "checkpoints"
     assert sorted(p.name for p in ckpts.iterdir()) == ["incomplete", "step-00000002"]
     assert (ckpts / "incomplete" / "step-00000004" / "model.ckpt").is_file()
-    monkeypatch.delenv(checkpoint.FAULT_ENV)
+    monkeypatch.delenv(step_checkpoint.FAULT_ENV)
     fit(root, "full", "--ckpt_path", "last", "--trainer.max_steps", "4")
     assert checkpoint.read_manifest(ckpts / "step-00000004")["step"] == 4
 
@@ -164,9 +167,9 @@ def test_world_size_change_without_zero_is_refused():
     manifest = {"step": 4, "world_size": 2, "zero_stage": 0, "format": "deepspeed"}
     with pytest.raises(CheckpointError, match=r"\(DeepSpeed ZeRO stage 0, 2 ranks\) on 1 ranks: only ZeRO-1/2/3 "
                                               r"checkpoints convert"):
-        checkpoint.check_reshard(Path("step-00000004"), manifest, trainer)
+        resume.check_reshard(Path("step-00000004"), manifest, trainer)
     for stage in (1, 2, 3):
-        checkpoint.check_reshard(Path("step-00000004"), {**manifest, "zero_stage": stage}, trainer)
+        resume.check_reshard(Path("step-00000004"), {**manifest, "zero_stage": stage}, trainer)
 
 
 @pytest.mark.parametrize("make, message", [

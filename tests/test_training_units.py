@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from model import ModelConfig, Transformer
-from training import checkpoint
+from training import checkpoint, resume
 from training.callbacks.rng import capture_rng, restore_rng
 from training.lit_module import RUNTIME_ARGS, LitLM
 from training.optim import OptimConfig, build_optimizer, lr_factor, param_groups
@@ -123,19 +123,19 @@ def test_checkpoint_naming_and_last(tmp_path):
     with pytest.raises(FileNotFoundError):
         checkpoint.resolve(str(tmp_path / "missing"), tmp_path)
     with pytest.raises(FileExistsError, match="--ckpt_path last"):
-        checkpoint.check_fresh_run(tmp_path)
-    checkpoint.check_fresh_run(tmp_path / "new-run")
+        resume.check_fresh_run(tmp_path)
+    resume.check_fresh_run(tmp_path / "new-run")
 
 
 def test_check_format(tmp_path):
     d = _fake_ckpt(tmp_path, 5)
-    checkpoint.check_format(str(d), deepspeed=True)
+    resume.check_format(str(d), deepspeed=True)
     with pytest.raises(ValueError, match="DeepSpeed checkpoint"):
-        checkpoint.check_format(str(d), deepspeed=False)
+        resume.check_format(str(d), deepspeed=False)
     f = tmp_path / "x.ckpt"
     f.write_text("")
     with pytest.raises(ValueError, match="Lightning checkpoint file"):
-        checkpoint.check_format(str(f), deepspeed=True)
+        resume.check_format(str(f), deepspeed=True)
 
 
 @pytest.mark.parametrize("name", ZERO_NAMES)

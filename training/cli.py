@@ -8,8 +8,9 @@
 small (~7.4M parameter) Llama-style model, fp32 on CPU (bf16-mixed on a GPU), logging to `runs/default/`.
 
 Run layout: `--runs_dir`/`--name` (default `runs/default`) holds the TensorBoard events, `config.yaml` and
-`checkpoints/step-XXXXXXXX/` (see training/checkpoint.py). `--ckpt_path last` resumes the newest complete
-checkpoint — or starts fresh when there is none, so one command both starts and resumes a job.
+`checkpoints/step-XXXXXXXX/` (layout: training/checkpoint.py; saving: training/callbacks/step_checkpoint.py).
+`--ckpt_path last` resumes the newest complete checkpoint — or starts fresh when there is none, so one command
+both starts and resumes a job.
 """
 from __future__ import annotations
 

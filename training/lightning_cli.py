@@ -20,9 +20,8 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.loggers import TensorBoardLogger
 
 from data.datamodule import TokenDataModule
-from training import checkpoint
-from training.callbacks import NonFiniteGuard, RNGState, Throughput, TrainingHealth
-from training.checkpoint import StepCheckpoint
+from training import checkpoint, resume
+from training.callbacks import NonFiniteGuard, RNGState, StepCheckpoint, Throughput, TrainingHealth
 from training.lit_module import LitLM
 from training.optim import OptimConfig
 from training.strategy import default_precision, is_deepspeed  # also registers --trainer.strategy zeroN
@@ -91,7 +90,7 @@ class NormlabCLI(LightningCLI):
         config.ckpt_path, resumed_step = checkpoint.resolve(requested, root)
         if self.subcommand == "fit":
             if requested is None:
-                checkpoint.check_fresh_run(root)
+                resume.check_fresh_run(root)
             # TensorBoard: drop what a crashed run logged after its checkpoint (steps > the checkpoint's, see
             # LitLM._log_eval for the step convention); everything on a fresh start.
             self._purge_step = resumed_step + 1 if resumed_step is not None else 0
@@ -111,7 +110,7 @@ class NormlabCLI(LightningCLI):
     def _check_checkpoint_format(self) -> None:
         ckpt_path = self.config[self.subcommand].ckpt_path
         if ckpt_path:
-            checkpoint.check_format(ckpt_path, is_deepspeed(self.trainer.strategy))
+            resume.check_format(ckpt_path, is_deepspeed(self.trainer.strategy))
 
     before_validate = before_test = _check_checkpoint_format
 

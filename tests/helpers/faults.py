@@ -52,7 +52,7 @@ class InjectLossSpike(Callback):
 
 
 def kill_when_paused(args: list[str], cwd: Path, fault: str, marker: Path, timeout: float = 300) -> str:
-    """Run `normlab <args>` with NORMLAB_FAULT=`fault` (a pause point, see training/checkpoint.py); when the
+    """Run `normlab <args>` with NORMLAB_FAULT=`fault` (a pause point, see training/callbacks/step_checkpoint.py); when the
     pause begins, SIGKILL the whole process group (every rank), as a preemption or OOM kill would.
     Returns the output. Fails if the run ended before pausing."""
     proc = subprocess.Popen([sys.executable, "-m", "training.cli", *args], cwd=cwd,

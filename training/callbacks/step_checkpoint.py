@@ -1,0 +1,238 @@
+"""`StepCheckpoint`: crash-safe checkpoints every N optimizer steps (layout: `training/checkpoint.py`).
+
+A save is atomic (DeepSpeed writes shards in place and its `latest` can name a half-written checkpoint;
+Lightning's DeepSpeed strategy bypasses Lightning's own atomic save — so it is done here):
+1. rank 0 moves any leftover `.tmp-step-X` (a crashed attempt) aside; barrier;
+2. every rank writes into `checkpoints/.tmp-step-X/` (DeepSpeed's save ends in a barrier);
+3. rank 0 writes the sidecars, then the manifest (temporary file + fsync + rename), fsyncs the directory and
+   renames it to `step-X`; its success is broadcast, so a failing rank 0 never leaves the others in a barrier;
+4. only then are old checkpoints purged (`keep_last_n`).
+A kill at any point leaves either the previous checkpoints untouched or a complete new one.
+
+A rank whose file write fails does not raise at once: it would leave the other ranks waiting forever in the
+save's remaining collectives. Its error is held until the save is over on every rank, then gathered, and every
+rank raises the same error, naming the rank and its cause.
+
+Fault injection for tests (`NORMLAB_FAULT=<point>@<step>`, with `NORMLAB_FAULT_MARKER=<file>` touched when
+a pause begins; `NORMLAB_FAULT_RANK=<r>` limits it to one rank): `pause_after_shards` (every shard written, no
+manifest yet), `pause_before_step` (between optimizer steps), `enospc_manifest` (the manifest write fails with
+ENOSPC, as on a full disk), `enospc_shard` (a checkpoint file write fails with ENOSPC).
+"""
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+import shutil
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
+
+from training.checkpoint import (CONFIG_FILE, LIGHTNING_FILE, MANIFEST, MODEL_CONFIG_FILE, TMP_PREFIX, CheckpointError,
+                                 checkpoints_dir, ckpt_dir_of, complete_checkpoints, config_hash, file_hash,
+                                 file_sizes, fsync_path, git_revision, incomplete_checkpoints, move_aside,
+                                 step_dirname, versions, write_text_atomic)
+from training.resume import check_resume
+from training.strategy import is_deepspeed
+
+log = logging.getLogger(__name__)
+
+FAULT_ENV, FAULT_MARKER_ENV, FAULT_RANK_ENV = "NORMLAB_FAULT", "NORMLAB_FAULT_MARKER", "NORMLAB_FAULT_RANK"
+
+
+def fault(point: str, step: int, rank: int | None = None) -> None:
+    """The test injection point `point` at optimizer step `step` (see the module docstring); a no-op unless
+    NORMLAB_FAULT names it (and NORMLAB_FAULT_RANK, when set, names `rank`)."""
+    if os.environ.get(FAULT_ENV) != f"{point}@{step}":
+        return
+    if os.environ.get(FAULT_RANK_ENV) not in (None, str(rank)):
+        return
+    if point.startswith("enospc"):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC) + f" (injected by {FAULT_ENV})")
+    log.warning("%s: pausing at %s of step %d until killed", FAULT_ENV, point, step)
+    if os.environ.get(FAULT_MARKER_ENV):
+        Path(os.environ[FAULT_MARKER_ENV]).write_text(f"{point}@{step} pid={os.getpid()}\n")
+    while True:
+        time.sleep(1)
+
+
+@contextmanager
+def _write_errors_held(trainer: Trainer) -> Iterator[list[str]]:
+    """Within the block, an OSError from one of this rank's checkpoint file writes (DeepSpeed's checkpoint engine,
+    or Lightning's checkpoint IO) is recorded in the yielded list instead of raised, so the rank goes on through
+    the save's remaining collectives."""
+    held: list[str] = []
+    strategy = trainer.strategy
+    owner, name = ((strategy.deepspeed_engine.checkpoint_engine, "save") if is_deepspeed(strategy)
+                   else (strategy.checkpoint_io, "save_checkpoint"))
+    write = getattr(owner, name)
+
+    def holding(*args: Any, **kwargs: Any) -> Any:
+        try:
+            fault("enospc_shard", trainer.global_step, trainer.global_rank)
+            return write(*args, **kwargs)
+        except OSError as err:
+            log.error("rank %d could not write its checkpoint file: %s", trainer.global_rank, err)
+            held.append(f"{type(err).__name__}: {err}")
+            return None
+
+    setattr(owner, name, holding)
+    try:
+        yield held
+    finally:
+        setattr(owner, name, write)
+
+
+def _gather(trainer: Trainer, value: str | None) -> list[str | None]:
+    """Every rank's `value`, in rank order, on every rank."""
+    if trainer.world_size == 1 or not torch.distributed.is_initialized():
+        return [value]
+    values: list[str | None] = [None] * trainer.world_size
+    torch.distributed.all_gather_object(values, value)
+    return values
+
+
+def _zero_stage(trainer: Trainer) -> int | None:
+    if not is_deepspeed(trainer.strategy):
+        return None
+    return trainer.strategy.config.get("zero_optimization", {}).get("stage", 0)
+
+
+class StepCheckpoint(Callback):
+    """Saves every `every_n_steps` optimizer steps into `<run dir>/checkpoints/step-XXXXXXXX/`, atomically (see
+    the module docstring), keeping the newest `keep_last_n` complete checkpoints (None: all).
+
+    The run directory is the trainer's `default_root_dir` (the CLI sets it to `runs/<name>`).
+    `resolved_config` is the YAML text of the run's full configuration and `resume_from` the resolved
+    `--ckpt_path` (both set by the CLI; Lightning only learns the checkpoint path after `setup`).
+    """
+
+    def __init__(self, every_n_steps: int = 100, keep_last_n: int | None = None) -> None:
+        if every_n_steps < 0:
+            raise ValueError(f"checkpoint.every_n_steps={every_n_steps} must be >= 0 (0 disables checkpoints)")
+        if keep_last_n is not None and keep_last_n < 2:
+            # One is not enough: a checkpoint found corrupt later must have a predecessor to fall back to.
+            raise ValueError(f"checkpoint.keep_last_n={keep_last_n} must be >= 2, or null to keep every checkpoint")
+        self.every_n_steps, self.keep_last_n = every_n_steps, keep_last_n
+        self.resolved_config: str | None = None
+        self.resume_from: str | None = None
+        self._last_saved = -1
+        self._git_revision = "unknown"
+
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        # The processes are connected now: every rank must resume the same checkpoint (each resolved `last` on
+        # its own, see `resolve`), and from here on only rank 0 decides about the checkpoints directory.
+        mine = self.resume_from
+        theirs = trainer.strategy.broadcast(mine)
+        if mine != theirs:
+            raise CheckpointError(f"rank {trainer.global_rank} resolved the checkpoint {mine}, rank 0 {theirs}: "
+                                  "the ranks do not see the same checkpoints directory (use shared storage)")
+        if trainer.is_global_zero:
+            self._git_revision = git_revision()
+            for path in incomplete_checkpoints(trainer.default_root_dir):
+                move_aside(path, "an interrupted save: no manifest")
+        if mine is not None and (ckpt_dir_of(mine) / MANIFEST).is_file():
+            check_resume(ckpt_dir_of(mine), trainer, pl_module)
+        trainer.strategy.barrier("StepCheckpoint.setup")
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._last_saved = trainer.global_step  # never re-save the step a run resumed from
+
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
+        if trainer.is_global_zero:
+            fault("pause_before_step", trainer.global_step)
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
+        step = trainer.global_step
+        # Called once per micro-batch: with gradient accumulation the step repeats until the next update.
+        if self.every_n_steps and step % self.every_n_steps == 0 and step != self._last_saved:
+            self.save(trainer, pl_module)
+
+    def save(self, trainer: Trainer, pl_module: LightningModule) -> Path:
+        step = trainer.global_step
+        root = checkpoints_dir(trainer.default_root_dir)
+        final, tmp = root / step_dirname(step), root / (TMP_PREFIX + step_dirname(step))
+        if trainer.is_global_zero:
+            root.mkdir(parents=True, exist_ok=True)
+            if tmp.exists():
+                move_aside(tmp, "left by an interrupted save")
+            if final.exists():  # e.g. re-training from an earlier checkpoint: keep the old one, aside
+                move_aside(final, f"superseded by a new save of step {step}")
+        trainer.strategy.barrier("StepCheckpoint.prepare")
+        deepspeed = is_deepspeed(trainer.strategy)
+        # Every rank calls save_checkpoint: it is a collective (shards, RNG gather), and it ends in a barrier.
+        with _write_errors_held(trainer) as held:
+            trainer.save_checkpoint(tmp if deepspeed else tmp / LIGHTNING_FILE, weights_only=False)
+        failed = _gather(trainer, held[0] if held else None)
+        error = "; ".join(f"rank {rank}: {err}" for rank, err in enumerate(failed) if err) or None
+        if trainer.is_global_zero and error is None:
+            fault("pause_after_shards", step)
+            try:
+                self._commit(tmp, final, trainer, pl_module, "deepspeed" if deepspeed else "lightning")
+            except OSError as err:
+                error = f"{type(err).__name__}: {err}"
+        # Rank 0's outcome reaches every rank (a barrier would leave the others waiting forever if it raised).
+        error = trainer.strategy.broadcast(error)
+        if error is not None:
+            raise CheckpointError(self._save_failed(error, tmp, trainer))
+        self._last_saved = step
+        if trainer.is_global_zero and self.keep_last_n:
+            self._purge(trainer.default_root_dir)
+        return final
+
+    def _commit(self, tmp: Path, final: Path, trainer: Trainer, pl_module: LightningModule, fmt: str) -> None:
+        self._write_sidecars(tmp, trainer, pl_module, fmt)  # the manifest last
+        for path in (tmp, *(p for p in tmp.rglob("*") if p.is_dir())):
+            fsync_path(path)  # directory entries of every shard, before the rename publishes them
+        os.replace(tmp, final)
+        fsync_path(final.parent)
+        log.info("saved checkpoint %s", final)
+
+    def _save_failed(self, error: str, tmp: Path, trainer: Trainer) -> str:
+        where = ""
+        if trainer.is_global_zero and tmp.exists():
+            where = f"; the partial checkpoint was moved to {move_aside(tmp, 'the save failed')}"
+        disk_full = str(errno.ENOSPC) in error or "No space left" in error
+        cause = "the disk is full" if disk_full else "writing failed"
+        return (f"saving checkpoint step {trainer.global_step} into {tmp.parent} failed: {cause} ({error}){where}. "
+                "Earlier checkpoints are intact: free space (or set --checkpoint.keep_last_n), then resume with "
+                "--ckpt_path last")
+
+    def _purge(self, run_dir: str | Path) -> None:
+        """Delete the oldest complete checkpoints beyond `keep_last_n` — only after a new one is complete."""
+        for old in complete_checkpoints(run_dir)[:-self.keep_last_n]:
+            shutil.rmtree(old)
+            log.info("removed checkpoint %s (checkpoint.keep_last_n=%d)", old, self.keep_last_n)
+
+    def _write_sidecars(self, ckpt_dir: Path, trainer: Trainer, pl_module: LightningModule, fmt: str) -> None:
+        if self.resolved_config is not None:
+            write_text_atomic(ckpt_dir / CONFIG_FILE, self.resolved_config)
+        model_config = pl_module.config.to_dict()
+        write_text_atomic(ckpt_dir / MODEL_CONFIG_FILE, json.dumps(model_config, indent=2) + "\n")
+        datamodule = trainer.datamodule
+        manifest = {
+            "step": trainer.global_step,
+            "tokens_seen": datamodule.tokens_seen(),  # across restarts, also on other world sizes
+            "format": fmt,
+            "world_size": trainer.world_size,
+            "zero_stage": _zero_stage(trainer),
+            "accumulate_grad_batches": trainer.accumulate_grad_batches,
+            "micro_batch_size": datamodule.batch_size,
+            "seq_len": datamodule.seq_len,
+            "config_hash": config_hash(model_config),
+            "tokenizer_hash": file_hash(datamodule.tokenizer_path),
+            "versions": versions(),
+            "git_revision": self._git_revision,
+            "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "files": file_sizes(ckpt_dir),  # checked before a resume or a load (see verify_files)
+        }
+        fault("enospc_manifest", trainer.global_step)
+        write_text_atomic(ckpt_dir / MANIFEST, json.dumps(manifest, indent=2) + "\n")  # last: marks complete

@@ -1,0 +1,80 @@
+"""What a resume checks before any weight is loaded: each failure names the checkpoint and the fix.
+
+- a new run must not write over another run's checkpoints (`check_fresh_run`);
+- a DeepSpeed directory resumes under DeepSpeed, a Lightning file without it (`check_format`);
+- the checkpoint is whole (every file the manifest lists, at its size), and was written with this model config
+  and tokenizer (`check_resume`);
+- on another world size, its format must be able to reshard (`check_reshard`).
+"""
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+from lightning.pytorch import LightningModule, Trainer
+
+from training.checkpoint import (MODEL_CONFIG_FILE, CheckpointError, complete_checkpoints, config_hash, file_hash,
+                                 read_manifest, verify_files)
+
+log = logging.getLogger(__name__)
+
+
+def check_fresh_run(run_dir: str | Path) -> None:
+    """A new (non-resumed) fit must not write over another run's checkpoints."""
+    found = complete_checkpoints(run_dir)
+    if found:
+        raise FileExistsError(
+            f"{run_dir} already holds checkpoints (newest: {found[-1].name}). Resume it with `--ckpt_path last`, "
+            f"or start a new run with `--name <new name>`."
+        )
+
+
+def check_format(ckpt_path: str, deepspeed: bool) -> None:
+    """A DeepSpeed checkpoint directory resumes only under DeepSpeed, a Lightning file only without it."""
+    if Path(ckpt_path).is_dir() and not deepspeed:
+        raise ValueError(f"{ckpt_path} is a DeepSpeed checkpoint: load it under DeepSpeed, with the ZeRO stage "
+                         "that wrote it (e.g. --trainer.strategy zero2)")
+    if Path(ckpt_path).is_file() and deepspeed:
+        raise ValueError(f"{ckpt_path} is a Lightning checkpoint file: load it without DeepSpeed "
+                         "(--trainer.strategy auto)")
+
+
+def check_resume(ckpt_dir: Path, trainer: Trainer, pl_module: LightningModule) -> None:
+    """Refuse to resume a checkpoint that does not fit this run (same result on every rank: no collective)."""
+    manifest = read_manifest(ckpt_dir)
+    verify_files(ckpt_dir, manifest)
+    config_file = ckpt_dir / MODEL_CONFIG_FILE
+    if config_file.is_file():
+        saved = json.loads(config_file.read_text())
+        current = pl_module.model_config().to_dict()
+        if config_hash(saved) != config_hash(current):
+            diff = ", ".join(f"{k}: {saved.get(k)!r} → {current.get(k)!r}" for k in sorted(set(saved) | set(current))
+                             if saved.get(k) != current.get(k))
+            raise CheckpointError(
+                f"cannot resume {ckpt_dir}: the model config changed ({diff}). "
+                "Resume with the checkpoint's model config (see its model_config.json), or start a new run "
+                "with --name")
+    saved_tok = manifest.get("tokenizer_hash")
+    current_tok = file_hash(trainer.datamodule.tokenizer_path)
+    if saved_tok and current_tok and saved_tok != current_tok:
+        raise CheckpointError(f"cannot resume {ckpt_dir}: the tokenizer differs from the one it was trained with "
+                              f"({trainer.datamodule.tokenizer_path} has another hash); use the run's --data.path")
+    saved_world = manifest.get("world_size")
+    if saved_world is not None and saved_world != trainer.world_size:
+        check_reshard(ckpt_dir, manifest, trainer)
+
+
+def check_reshard(ckpt_dir: Path, manifest: dict[str, Any], trainer: Trainer) -> None:
+    """A world-size change on resume: which formats reshard, and what happens to the data position."""
+    saved_world, stage = manifest["world_size"], manifest.get("zero_stage")
+    if manifest.get("format") == "deepspeed" and stage not in (1, 2, 3):
+        raise CheckpointError(
+            f"cannot resume {ckpt_dir} (DeepSpeed ZeRO stage {stage}, {saved_world} ranks) on {trainer.world_size} "
+            "ranks: only ZeRO-1/2/3 checkpoints convert to DeepSpeed's universal format. Resume on "
+            f"{saved_world} ranks, or start a new run from its consolidated weights (`normlab export`)")
+    if trainer.is_global_zero:
+        log.warning("resuming %s, written by %d ranks, on %d ranks: optimizer state is resharded; the data goes on "
+                    "after the %s tokens seen so far", ckpt_dir, saved_world, trainer.world_size,
+                    manifest.get("tokens_seen"))

@@ -161,6 +161,18 @@ def test_interrupted_step_dir_is_refused_and_last_skips_it(tmp_path):
     assert moved == ckpts / "incomplete" / "step-00000006" and moved.is_dir()
 
 
+def test_ranks_that_resolved_different_checkpoints_stop(tmp_path):
+    """Each rank resolves `--ckpt_path last` on its own; rank 1 seeing another newest checkpoint than rank 0 (no
+    shared storage) must stop at setup, before any rank loads or writes. (The broadcast is rank 0's answer.)"""
+    callback = StepCheckpoint()
+    callback.resume_from = str(tmp_path / "checkpoints" / "step-00000004")
+    strategy = SimpleNamespace(broadcast=lambda value: str(tmp_path / "checkpoints" / "step-00000006"))
+    trainer = SimpleNamespace(strategy=strategy, global_rank=1, is_global_zero=False)
+    with pytest.raises(CheckpointError, match=r"rank 1 resolved the checkpoint .*step-00000004, rank 0 .*step-00000006"
+                                              r": the ranks do not see the same checkpoints directory"):
+        callback.setup(trainer, None, "fit")
+
+
 def test_world_size_change_without_zero_is_refused():
     """DeepSpeed without ZeRO (stage 0) has no ZeRO shards to convert to the universal format."""
     trainer = SimpleNamespace(world_size=1, is_global_zero=True)

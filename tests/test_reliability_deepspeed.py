@@ -107,7 +107,8 @@ def test_resume_on_another_world_size(workdir, reference, devices, tmp_path):
     optimizer state) and the data goes on after the tokens consumed, whatever the new layout:
     - on 1 rank with accumulation 4 the global batch is the 2-rank run's, so steps 7-8 read the same samples
       and the final weights equal the 2-rank run's to fp32 rounding (measured 4e-9; the two steps move weights
-      by 5e-4) — exact resharding and an exact data position;
+      by 5e-4) — exact resharding and an exact data position — and so do the update losses (train/loss is
+      the mean over an update's micro-batches and ranks);
     - on 3 ranks (another global batch) the loss goes on from where it was: within 1% (measured ~0.4%; fresh
       weights would be ~5% off), and the manifest counts the tokens of both layouts."""
     name = f"resharded-{devices}"
@@ -119,10 +120,10 @@ def test_resume_on_another_world_size(workdir, reference, devices, tmp_path):
     assert manifest["tokens_seen"] == (6 * 2 * 2 + 2 * accumulate * devices) * TOKENS_PER_MICRO_BATCH
     losses, expected = scalars(workdir / "runs" / name, "train/loss"), scalars(reference, "train/loss")
     assert sorted(losses) == [7, 8]
-    if devices == 1:
+    if devices == 1:  # the same samples per update: the same weights, and the same update losses
         assert max_weight_diff(ckpt(workdir, "reference", 8), ckpt(workdir, name, 8), tmp_path) < 1e-6
     for step in (7, 8):
-        assert losses[step] == pytest.approx(expected[step], rel=0.01), (step, losses, expected)
+        assert losses[step] == pytest.approx(expected[step], rel=1e-5 if devices == 1 else 0.01), (step, losses)
 
 
 def test_zero1_resumes_on_one_rank(workdir, reference, tmp_path):

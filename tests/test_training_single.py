@@ -47,3 +47,17 @@ def test_single_process_exact_resume_and_run_layout(tmp_path):
     # Everything in the checkpoint (hyper-parameters, RNG states, model config) is plain data.
     state = torch.load(ckpt / "model.ckpt", weights_only=True)
     assert len(state["rng_states"]) == 1 and state["model_config"]["dim"] == 32
+
+
+def test_train_loss_is_the_mean_over_the_updates_micro_batches(tmp_path):
+    """With 2 micro-batches per update, train/loss is their mean (Lightning alone would log the last one's)."""
+    make_tiny_corpus(tmp_path)
+    record = tmp_path / "micro.json"
+    (tmp_path / "recorder.yaml").write_text(
+        "trainer:\n  callbacks:\n    - class_path: tests.helpers.callbacks.MicroBatchLosses\n"
+        f"      init_args: {{path: '{record}'}}\n")
+    run = fit(tmp_path, "micro", str(tmp_path / "recorder.yaml"), "--trainer.max_steps", "1",
+              "--checkpoint.every_n_steps", "0")
+    losses = json.loads(record.read_text())
+    assert len(losses) == 2 and losses[0] != losses[1]
+    assert scalars(run, "train/loss")[1] == pytest.approx(sum(losses) / 2, rel=1e-6)

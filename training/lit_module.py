@@ -1,7 +1,7 @@
 """LitLM: the LightningModule that trains a `model.Transformer` with next-token cross-entropy.
 
 Thin on purpose: the optimizer and schedule live in `optim.py`, DeepSpeed in `strategy.py`, checkpoints in
-`checkpoint.py`, throughput and RNG in `callbacks/`.
+`checkpoint.py` and `callbacks/step_checkpoint.py`, throughput, RNG and the guard in `callbacks/`.
 
 The model fields are keyword arguments here (each None = "the preset's value") so that LightningCLI exposes
 them as `--model.<field>`, e.g. `--model.placement post`. `vocab_size` and `max_seq_len` default to the data's
@@ -73,6 +73,7 @@ class LitLM(LightningModule):
         self.hparams["optim"] = dataclasses.asdict(self.optim)
         self.config: ModelConfig | None = None
         self.model: Transformer | None = None
+        self._micro_losses: list[Tensor] = []  # this update's micro-batch losses so far
 
     def model_config(self) -> ModelConfig:
         """The preset with the overrides; vocab_size and max_seq_len from the datamodule unless given."""
@@ -107,7 +108,12 @@ class LitLM(LightningModule):
     def training_step(self, batch: Tensor, batch_idx: int) -> Tensor:
         loss = self.loss(batch)
         self.log("step", float(self.global_step + 1))  # logged at the update's number (see _log_eval)
-        self.log("train/loss", loss, sync_dist=True)  # mean over ranks (of the step's last micro-batch)
+        # train/loss is the loss of the whole update: the mean over its micro-batches (Lightning logs the value of
+        # the last one, so log the running mean) and over ranks — independent of how the batch is split.
+        self._micro_losses.append(loss.detach())
+        self.log("train/loss", torch.stack(self._micro_losses).mean(), sync_dist=True)
+        if len(self._micro_losses) == self.trainer.accumulate_grad_batches:
+            self._micro_losses = []
         self.log("train/lr", self.lr_schedulers().get_last_lr()[0])
         self.log("loss", loss, prog_bar=True, logger=False)  # short name for the progress bar
         return loss

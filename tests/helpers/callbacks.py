@@ -1,7 +1,9 @@
 """Test-only callbacks, attached to real runs through a YAML config (`trainer.callbacks`)."""
 from __future__ import annotations
 
+import json
 import random
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -26,3 +28,19 @@ class RNGProbe(Callback):
     def on_train_batch_start(self, trainer, pl_module, *args) -> None:
         draw = random.random() + float(np.random.rand()) + float(torch.rand(()))
         pl_module.log("probe/rng", draw, reduce_fx="sum", sync_dist=True)
+
+
+class MicroBatchLosses(Callback):
+    """Records, before each micro-batch's forward, its loss under the current weights — what `train/loss` of the
+    update must average (the weights change only after the update's last micro-batch) — and writes the list
+    to the JSON file `path` when training ends."""
+
+    def __init__(self, path: str) -> None:
+        self.path, self.losses = path, []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        with torch.no_grad():
+            self.losses.append(pl_module.loss(batch).item())
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        Path(self.path).write_text(json.dumps(self.losses))

@@ -173,6 +173,18 @@ def test_ranks_that_resolved_different_checkpoints_stop(tmp_path):
         callback.setup(trainer, None, "fit")
 
 
+def test_accumulation_change_must_keep_update_boundaries():
+    """5 updates of 2 micro-batches: 10 micro-batches read. Accumulation 5 (or 1, 2, 10) continues on an update
+    boundary; 4 would close the first update after 2 micro-batches."""
+    manifest = {"step": 5, "accumulate_grad_batches": 2}
+    for ok in (1, 2, 5, 10):
+        resume.check_accumulation(Path("step-00000005"), manifest, SimpleNamespace(accumulate_grad_batches=ok))
+    with pytest.raises(CheckpointError, match=r"step-00000005 with accumulate_grad_batches 4: it was saved after 10 "
+                                              r"micro-batches \(5 updates of 2\), not a whole number of updates of 4\. "
+                                              r"Use an accumulate_grad_batches that divides 10"):
+        resume.check_accumulation(Path("step-00000005"), manifest, SimpleNamespace(accumulate_grad_batches=4))
+
+
 def test_world_size_change_without_zero_is_refused():
     """DeepSpeed without ZeRO (stage 0) has no ZeRO shards to convert to the universal format."""
     trainer = SimpleNamespace(world_size=1, is_global_zero=True)

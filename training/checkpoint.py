@@ -32,6 +32,7 @@ MANIFEST = "manifest.json"
 CONFIG_FILE = "config.yaml"
 MODEL_CONFIG_FILE = "model_config.json"
 LIGHTNING_FILE = "model.ckpt"  # the checkpoint file inside the directory when not under DeepSpeed
+DEEPSPEED_TAG = "checkpoint"  # the tag Lightning's DeepSpeedStrategy saves under (named by the `latest` file)
 TMP_PREFIX = ".tmp-"
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
 

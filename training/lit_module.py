@@ -112,7 +112,7 @@ class LitLM(LightningModule):
         # the last one, so log the running mean) and over ranks — independent of how the batch is split.
         self._micro_losses.append(loss.detach())
         self.log("train/loss", torch.stack(self._micro_losses).mean(), sync_dist=True)
-        if len(self._micro_losses) == self.trainer.accumulate_grad_batches:
+        if len(self._micro_losses) >= self.trainer.accumulate_grad_batches:
             self._micro_losses = []
         self.log("train/lr", self.lr_schedulers().get_last_lr()[0])
         self.log("loss", loss, prog_bar=True, logger=False)  # short name for the progress bar

@@ -4,6 +4,7 @@
 - a DeepSpeed directory resumes under DeepSpeed, a Lightning file without it (`check_format`);
 - the checkpoint is whole (every file the manifest lists, at its size), and was written with this model config
   and tokenizer (`check_resume`);
+- another gradient accumulation must continue on an update boundary (`check_accumulation`);
 - on another world size, its format must be able to reshard (`check_reshard`).
 """
 from __future__ import annotations
@@ -61,9 +62,27 @@ def check_resume(ckpt_dir: Path, trainer: Trainer, pl_module: LightningModule) -
     if saved_tok and current_tok and saved_tok != current_tok:
         raise CheckpointError(f"cannot resume {ckpt_dir}: the tokenizer differs from the one it was trained with "
                               f"({trainer.datamodule.tokenizer_path} has another hash); use the run's --data.path")
+    check_accumulation(ckpt_dir, manifest, trainer)
     saved_world = manifest.get("world_size")
     if saved_world is not None and saved_world != trainer.world_size:
         check_reshard(ckpt_dir, manifest, trainer)
+
+
+def check_accumulation(ckpt_dir: Path, manifest: dict[str, Any], trainer: Trainer) -> None:
+    """Another accumulate_grad_batches on resume works when the micro-batches already read are a whole number of
+    the new updates: Lightning restores its micro-batch count and closes an update whenever that count is a
+    multiple of accumulate_grad_batches (DeepSpeed counts its own from 0), so otherwise the first update would
+    end early — and under DeepSpeed the two would disagree on every update after it."""
+    saved = manifest.get("accumulate_grad_batches")
+    if saved is None or saved == trainer.accumulate_grad_batches:
+        return
+    done = manifest["step"] * saved
+    if done % trainer.accumulate_grad_batches:
+        raise CheckpointError(
+            f"cannot resume {ckpt_dir} with accumulate_grad_batches {trainer.accumulate_grad_batches}: it was saved "
+            f"after {done} micro-batches ({manifest['step']} updates of {saved}), not a whole number of updates of "
+            f"{trainer.accumulate_grad_batches}. Use an accumulate_grad_batches that divides {done} (e.g. {saved}), "
+            "or resume from another checkpoint")
 
 
 def check_reshard(ckpt_dir: Path, manifest: dict[str, Any], trainer: Trainer) -> None:

@@ -43,6 +43,7 @@ import torch
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.accelerators import CUDAAccelerator
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, Strategy, StrategyRegistry
+from lightning.pytorch.trainer.states import TrainerFn
 
 log = logging.getLogger(__name__)
 
@@ -140,6 +141,15 @@ class DeepSpeed(DeepSpeedStrategy):
         saved_world = read_manifest(checkpoint_path).get("world_size") if manifest_file.is_file() else None
         if saved_world in (None, self.world_size):
             return super().load_checkpoint(checkpoint_path, weights_only)
+        if self.lightning_module.trainer.state.fn != TrainerFn.FITTING:
+            # validate/test/predict: Lightning builds an inference engine without an optimizer. Under ZeRO-1/2 it
+            # is not sharded and reads the whole weights, on any world size; ZeRO-3 weights are shards.
+            if self.zero_stage_3:
+                raise RuntimeError(
+                    f"{checkpoint_path} holds ZeRO-3 shards of {saved_world} ranks: Lightning's validate/test load "
+                    f"them on {saved_world} ranks only. Use `normlab evaluate --checkpoint {checkpoint_path}` (any "
+                    f"world size), or --trainer.devices {saved_world}")
+            return super().load_checkpoint(checkpoint_path, weights_only)
         error = None
         if self.is_global_zero:
             try:
@@ -160,7 +170,8 @@ class DeepSpeed(DeepSpeedStrategy):
             return super().load_checkpoint(checkpoint_path, weights_only)
         finally:
             config.load_universal_checkpoint = False
-            _repair_zero3_universal_load(optimizer, own)
+            if self.zero_stage_3:  # (the ZeRO-1/2 loader restores each group's own values itself)
+                _repair_zero3_universal_load(optimizer, own)
 
     def backward(self, closure_loss: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
         # Lightning has already divided the loss by accumulate_grad_batches; DeepSpeed's engine.backward would
@@ -186,13 +197,14 @@ DeepSpeed.register_strategies(StrategyRegistry)
 
 
 def _repair_zero3_universal_load(optimizer: Any, own: list[dict[str, Any]]) -> None:
-    """Undo two slips of DeepSpeed's ZeRO-3 universal loader (deepspeed 0.19; its ZeRO-1/2 loader is exact):
+    """Undo two slips of DeepSpeed's ZeRO-3 universal loader (deepspeed 0.19; its ZeRO-1/2 loader is exact, and
+    is left alone):
     - it gives every parameter group the hyper-parameters of the first, so the no-decay group would get weight
       decay: put back each group's own (`own`, read before the load; the learning rate, the same in every group,
       stays as loaded — it is the LR schedule's position);
     - it stores one `step` tensor in every group's state, which AdamW increments in place once per group, so the
       second group's bias correction would run a step ahead per step: give each state its own copy.
-    Both are no-ops where the load was already right. Checked by resuming on another world size and comparing
+    Both are no-ops where the load was already right (a DeepSpeed that fixes them). Checked by resuming on another world size and comparing
     with the straight run (tests/test_reliability_deepspeed.py)."""
     for group, hyper in zip(optimizer.param_groups, own, strict=True):
         group.update(hyper)

@@ -16,11 +16,12 @@ rank raises the same error, naming the rank and its cause.
 Fault injection for tests (`NORMLAB_FAULT=<point>@<step>`, with `NORMLAB_FAULT_MARKER=<file>` touched when
 a pause begins; `NORMLAB_FAULT_RANK=<r>` limits it to one rank): `pause_after_shards` (every shard written, no
 manifest yet), `pause_before_step` (between optimizer steps), `enospc_manifest` (the manifest write fails with
-ENOSPC, as on a full disk), `enospc_shard` (a checkpoint file write fails with ENOSPC).
+ENOSPC, as on a full disk), `enospc_shard` (a checkpoint file write goes to /dev/full: a real failing write).
 """
 from __future__ import annotations
 
 import errno
+import functools
 import json
 import logging
 import os
@@ -34,9 +35,9 @@ from typing import Any
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 
-from training.checkpoint import (CONFIG_FILE, LIGHTNING_FILE, MANIFEST, MODEL_CONFIG_FILE, TMP_PREFIX, CheckpointError,
-                                 checkpoints_dir, ckpt_dir_of, complete_checkpoints, config_hash, file_hash,
-                                 file_sizes, fsync_path, git_revision, incomplete_checkpoints, move_aside,
+from training.checkpoint import (CONFIG_FILE, DEEPSPEED_TAG, LIGHTNING_FILE, MANIFEST, MODEL_CONFIG_FILE, TMP_PREFIX,
+                                 CheckpointError, checkpoints_dir, ckpt_dir_of, complete_checkpoints, config_hash,
+                                 file_hash, file_sizes, fsync_path, git_revision, incomplete_checkpoints, move_aside,
                                  step_dirname, versions, write_text_atomic)
 from training.resume import check_resume
 from training.strategy import is_deepspeed
@@ -46,12 +47,17 @@ log = logging.getLogger(__name__)
 FAULT_ENV, FAULT_MARKER_ENV, FAULT_RANK_ENV = "NORMLAB_FAULT", "NORMLAB_FAULT_MARKER", "NORMLAB_FAULT_RANK"
 
 
+def fault_armed(point: str, step: int, rank: int | None = None) -> bool:
+    """NORMLAB_FAULT names the injection point `point` at optimizer step `step` (and NORMLAB_FAULT_RANK, when
+    set, names `rank`)."""
+    return (os.environ.get(FAULT_ENV) == f"{point}@{step}"
+            and os.environ.get(FAULT_RANK_ENV) in (None, str(rank)))
+
+
 def fault(point: str, step: int, rank: int | None = None) -> None:
     """The test injection point `point` at optimizer step `step` (see the module docstring); a no-op unless
-    NORMLAB_FAULT names it (and NORMLAB_FAULT_RANK, when set, names `rank`)."""
-    if os.environ.get(FAULT_ENV) != f"{point}@{step}":
-        return
-    if os.environ.get(FAULT_RANK_ENV) not in (None, str(rank)):
+    armed (`fault_armed`)."""
+    if not fault_armed(point, step, rank):
         return
     if point.startswith("enospc"):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC) + f" (injected by {FAULT_ENV})")
@@ -64,29 +70,44 @@ def fault(point: str, step: int, rank: int | None = None) -> None:
 
 @contextmanager
 def _write_errors_held(trainer: Trainer) -> Iterator[list[str]]:
-    """Within the block, an OSError from one of this rank's checkpoint file writes (DeepSpeed's checkpoint engine,
-    or Lightning's checkpoint IO) is recorded in the yielded list instead of raised, so the rank goes on through
-    the save's remaining collectives."""
+    """Within the block, an error from one of this rank's checkpoint writes is recorded in the yielded list
+    instead of raised, so the rank goes on through the save's remaining collectives. A full disk shows as an
+    OSError, or as a RuntimeError from torch.save's zip writer. The writes: under DeepSpeed, every file goes
+    through its checkpoint engine (`makedirs`, `save`) or `_copy_recovery_script`, but for `latest`, which is
+    left to `_commit` (rank 0, after every shard is written — it would otherwise be a raw write on rank 0
+    just before DeepSpeed's last barrier); otherwise Lightning's checkpoint IO (rank 0)."""
     held: list[str] = []
-    strategy = trainer.strategy
-    owner, name = ((strategy.deepspeed_engine.checkpoint_engine, "save") if is_deepspeed(strategy)
-                   else (strategy.checkpoint_io, "save_checkpoint"))
-    write = getattr(owner, name)
+    strategy, rank, step = trainer.strategy, trainer.global_rank, trainer.global_step
 
-    def holding(*args: Any, **kwargs: Any) -> Any:
-        try:
-            fault("enospc_shard", trainer.global_step, trainer.global_rank)
-            return write(*args, **kwargs)
-        except OSError as err:
-            log.error("rank %d could not write its checkpoint file: %s", trainer.global_rank, err)
-            held.append(f"{type(err).__name__}: {err}")
-            return None
+    def holding(write: Any, path_arg: int | None) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if path_arg is not None and fault_armed("enospc_shard", step, rank):
+                args = (*args[:path_arg], "/dev/full", *args[path_arg + 1:])  # a real failing write
+            try:
+                return write(*args, **kwargs)
+            except (OSError, RuntimeError) as err:
+                log.error("rank %d could not write its checkpoint: %s", rank, err)
+                held.append(f"{type(err).__name__}: {err}")
+                return None
+        return call
 
-    setattr(owner, name, holding)
+    if is_deepspeed(strategy):
+        engine = strategy.deepspeed_engine
+        patches = [(engine.checkpoint_engine, "save", 1), (engine.checkpoint_engine, "makedirs", None),
+                   (engine, "_copy_recovery_script", None)]
+    else:
+        patches = [(strategy.checkpoint_io, "save_checkpoint", 1)]
+    originals = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
+    for (owner, name, path_arg), (_, _, write) in zip(patches, originals):
+        setattr(owner, name, holding(write, path_arg))
+    if is_deepspeed(strategy):
+        originals.append((engine, "save_checkpoint", engine.save_checkpoint))
+        engine.save_checkpoint = functools.partial(engine.save_checkpoint, save_latest=False)
     try:
         yield held
     finally:
-        setattr(owner, name, write)
+        for owner, name, write in originals:
+            setattr(owner, name, write)
 
 
 def _gather(trainer: Trainer, value: str | None) -> list[str | None]:
@@ -189,6 +210,8 @@ class StepCheckpoint(Callback):
         return final
 
     def _commit(self, tmp: Path, final: Path, trainer: Trainer, pl_module: LightningModule, fmt: str) -> None:
+        if fmt == "deepspeed":  # DeepSpeed's pointer to its tag, which its loaders read (see _write_errors_held)
+            write_text_atomic(tmp / "latest", DEEPSPEED_TAG)
         self._write_sidecars(tmp, trainer, pl_module, fmt)  # the manifest last
         for path in (tmp, *(p for p in tmp.rglob("*") if p.is_dir())):
             fsync_path(path)  # directory entries of every shard, before the rename publishes them
@@ -202,9 +225,13 @@ class StepCheckpoint(Callback):
             where = f"; the partial checkpoint was moved to {move_aside(tmp, 'the save failed')}"
         disk_full = str(errno.ENOSPC) in error or "No space left" in error
         cause = "the disk is full" if disk_full else "writing failed"
-        return (f"saving checkpoint step {trainer.global_step} into {tmp.parent} failed: {cause} ({error}){where}. "
-                "Earlier checkpoints are intact: free space (or set --checkpoint.keep_last_n), then resume with "
-                "--ckpt_path last")
+        try:  # torch.save's zip writer reports a full disk without errno: show the free space
+            free = f"; {shutil.disk_usage(tmp.parent).free / 2**30:.1f} GiB free there"
+        except OSError:
+            free = ""
+        return (f"saving checkpoint step {trainer.global_step} into {tmp.parent} failed: {cause} ({error}){free}"
+                f"{where}. Earlier checkpoints are intact: free space (or set --checkpoint.keep_last_n), then resume "
+                "with --ckpt_path last")
 
     def _purge(self, run_dir: str | Path) -> None:
         """Delete the oldest complete checkpoints beyond `keep_last_n` — only after a new one is complete."""

@@ -7,6 +7,7 @@ import inspect
 import json
 import math
 import random
+import types
 import typing
 
 import numpy as np
@@ -197,3 +198,21 @@ def test_compile_and_activation_checkpointing_switches_reach_the_model():
     plain.configure_model()
     assert not plain.model.activation_checkpointing
     assert not any(getattr(layer, "_normlab_compiled", False) for layer in plain.model.layers)
+
+
+def test_progress_bars_count_micro_batches_toward_max_steps():
+    """Lightning's bars compare micro-batches with max_steps and the Rich one is titled "Epoch 0/-2" on an
+    endless loader; normlab's swaps count max_steps × accumulation micro-batches under a plain title."""
+    from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
+
+    from training.callbacks.progress import StepRichProgressBar, StepTQDMProgressBar, step_counting
+
+    trainer = types.SimpleNamespace(max_steps=8, accumulate_grad_batches=2, global_step=3, max_epochs=-1)
+    for default, swapped in ((RichProgressBar(), StepRichProgressBar), (TQDMProgressBar(), StepTQDMProgressBar)):
+        bar = step_counting(default)
+        assert type(bar) is swapped
+        bar._trainer = trainer
+        assert bar.total_train_batches == 16
+    assert step_counting(StepRichProgressBar())._get_train_description(0).strip() == "Training"
+    custom = type("Custom", (TQDMProgressBar,), {})()
+    assert step_counting(custom) is custom  # not Lightning's own class: left alone

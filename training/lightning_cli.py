@@ -16,12 +16,14 @@ from pathlib import Path
 from typing import Any
 
 from lightning.pytorch import Trainer
+from lightning.pytorch.callbacks import ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.loggers import TensorBoardLogger
 
 from data.datamodule import TokenDataModule
 from training import checkpoint, resume
 from training.callbacks import NonFiniteGuard, RNGState, StepCheckpoint, Throughput, TrainingHealth
+from training.callbacks.progress import step_counting
 from training.lit_module import LitLM
 from training.optim import OptimConfig
 from training.strategy import default_precision, is_deepspeed  # also registers --trainer.strategy zeroN
@@ -103,6 +105,8 @@ class NormlabCLI(LightningCLI):
             kwargs["logger"] = run_logger(config["default_root_dir"], self._purge_step)
         extra_callbacks = [self._get(self.config_init, c) for c in self._parser(self.subcommand).callback_keys]
         trainer = self._instantiate_trainer({**config, **kwargs}, extra_callbacks)
+        if not any(isinstance(c, ProgressBar) for c in config.get("callbacks") or []):  # none configured:
+            trainer.callbacks[:] = [step_counting(c) for c in trainer.callbacks]  # Lightning's default bar
         # First of all callbacks: every other callback's on_train_batch_start must see the restored RNG stream.
         trainer.callbacks.insert(0, RNGState())
         return trainer

@@ -228,3 +228,28 @@ def test_loss_zscore_over_the_rolling_window():
     guard._losses.extend([1.0, 2.0, 3.0, 4.0, 5.0])  # the window keeps the last 4: 2..5, mean 3.5, std 1.29
     assert guard._zscore(3.5) == 0.0
     assert guard._zscore(10.0) == pytest.approx((10.0 - 3.5) / (5 / 3) ** 0.5)
+
+
+def test_fp16_loss_scale_overflows_are_the_scalers_not_faults(caplog):
+    """Under fp16 with a dynamic loss scale (here Lightning's GradScaler), an overflowing gradient with a finite
+    loss is routine — the scaler skips that update and lowers its scale: no abort, no skip count, logged. The
+    same gradient without a scaler is a fault (the default policy aborts)."""
+    model = torch.nn.Linear(2, 2)
+    pl_module = SimpleNamespace(model=model, device=torch.device("cpu"), parameters=model.parameters)
+    strategy = SimpleNamespace(reduce=lambda tensor, reduce_op: tensor)
+
+    def step(guard: NonFiniteGuard, scaler) -> None:
+        trainer = SimpleNamespace(strategy=strategy, world_size=1, global_step=0, is_global_zero=True, logger=None,
+                                  precision_plugin=SimpleNamespace(scaler=scaler))
+        model.weight.grad = torch.full_like(model.weight, float("inf"))
+        guard.on_before_backward(trainer, pl_module, torch.tensor(2.0))
+        guard.on_before_optimizer_step(trainer, pl_module, None)
+        guard.on_train_batch_end(trainer, pl_module)
+
+    guard = NonFiniteGuard()
+    with caplog.at_level("INFO", logger="training.callbacks.guard"):
+        step(guard, scaler=torch.amp.GradScaler("cpu"))
+    assert guard.scaler_overflows == 1 and guard.skipped == 0 and guard.consecutive == 0
+    assert "fp16 gradient overflow at step 1: the loss scaler skips it" in caplog.text
+    with pytest.raises(NonFiniteError, match=r"non-finite gradient, first in weight \(1 parameters\) at step 1"):
+        step(NonFiniteGuard(), scaler=None)

@@ -19,7 +19,12 @@ Policies (`--guard.policy`):
   cannot be dropped from outside the engine: its ZeRO optimizer skips a step whose gradient norm is
   non-finite itself (its overflow check, also in fp32) — the guard relies on that and verifies it through
   `engine.skipped_steps`, raising if the engine applied the step anyway.
-DeepSpeed's own skipped steps (fp16/bf16 overflow) are logged and count toward `max_consecutive_skips` too.
+DeepSpeed's own skipped steps (bf16/fp32 overflow checks) are logged and count toward `max_consecutive_skips` too.
+
+fp16 with a dynamic loss scale (Lightning's GradScaler, or DeepSpeed's fp16 loss scaler) is the exception: there an
+overflowing gradient with a finite loss is routine — the scaler skips the update and lowers its scale — so the
+guard neither aborts nor counts it, and logs `guard/scaler_overflows` instead. (A scale that keeps collapsing
+ends the run in the scaler itself: DeepSpeed stops at its minimum scale.)
 
 Loss spikes: the z-score of the step's loss against the previous `spike_window` finite losses of applied
 steps is logged as `guard/loss_z`. With `skip_spike_z` set (policy `skip`), steps whose z-score exceeds it are
@@ -52,6 +57,14 @@ class NonFiniteError(RuntimeError):
     """Training stopped before an update with a non-finite loss or gradient (or too many skipped steps)."""
 
 
+def _scaler_skips_overflows(trainer: Trainer, deepspeed: bool) -> bool:
+    """fp16 with a dynamic loss scale: the scaler itself skips a step whose gradient overflowed."""
+    if deepspeed:
+        engine = trainer.strategy.deepspeed_engine
+        return bool(engine.fp16_enabled() and engine.dynamic_loss_scale())
+    return getattr(trainer.precision_plugin, "scaler", None) is not None
+
+
 def _layer(name: str) -> str:
     m = re.match(r"layers\.(\d+)\.", name)
     return f"layer L{m.group(1)} ({name})" if m else name
@@ -74,7 +87,9 @@ class NonFiniteGuard(Callback):
         self.consecutive = 0
         self._losses: deque[float] = deque(maxlen=spike_window)
         self._step_losses: list[torch.Tensor] = []
+        self.scaler_overflows = 0  # fp16 loss-scale overflows (the scaler's skips, not faults)
         self._skip_this_step = False
+        self._scaler_overflow = False  # this step overflowed under an fp16 loss scaler
         self._decided = False  # on_before_optimizer_step ran for the current step
         self._ds_skipped = 0
         self._judged: tuple[bool, float, float] | None = None  # the step's loss verdict, when reached early
@@ -105,6 +120,12 @@ class NonFiniteGuard(Callback):
         spike = self._is_spike(loss_ok, loss, z)
         # Under DeepSpeed a spiking step's gradient was made NaN on purpose (on_before_backward): not a fault.
         bad = [] if spike and deepspeed else self._nonfinite_grads(trainer, pl_module, deepspeed)
+        if loss_ok and bad and _scaler_skips_overflows(trainer, deepspeed):
+            self._scaler_overflow = True
+            self.scaler_overflows += 1
+            log.info("fp16 gradient overflow at step %d: the loss scaler skips it and lowers its scale", step)
+            self._log(trainer, {"guard/scaler_overflows": float(self.scaler_overflows)}, step)
+            return
         if not loss_ok or bad:
             what = (f"non-finite gradient, first in {_layer(bad[0])} ({len(bad)} parameters)" if bad else
                     "non-finite loss")
@@ -131,13 +152,15 @@ class NonFiniteGuard(Callback):
             if self._skip_this_step and new == 0:
                 raise NonFiniteError(f"DeepSpeed applied step {trainer.global_step}, which the guard found "
                                      "non-finite, so it cannot be skipped under this engine: use guard.policy=abort")
-            if new and applied:
+            if new and self._scaler_overflow:
+                applied = False  # the scaler's routine skip: neither applied nor a fault
+            elif new and applied:
                 applied = False
                 self._count_skip(trainer, f"DeepSpeed skipped step {trainer.global_step} (overflow)",
                                  trainer.global_step)
-        if applied:
+        if applied and not self._scaler_overflow:  # (without DeepSpeed the GradScaler skipped it)
             self.consecutive = 0
-        self._skip_this_step = self._decided = False
+        self._skip_this_step = self._scaler_overflow = self._decided = False
 
     # -- helpers -----------------------------------------------------------------------------------------
     def _judge_loss(self, trainer: Trainer, pl_module: LightningModule) -> tuple[bool, float, float]:

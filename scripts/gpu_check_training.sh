@@ -3,7 +3,9 @@
 #   - `normlab fit` on one GPU with the automatic precision (bf16-mixed), default strategy;
 #   - Lightning's stock DeepSpeed strategy (ZeRO-2 and ZeRO-3) on CUDA through `--trainer.strategy zeroN`;
 #   - resume of the ZeRO-2 run with --ckpt_path last; consolidation of the ZeRO-3 checkpoint;
-#   - throughput / MFU against the GPU's datasheet peak.
+#   - throughput / MFU against the GPU's datasheet peak;
+#   - fp16 (16-mixed) with and without ZeRO-2 under the default guard (abort): the loss scaler's routine early
+#     overflows must be logged as guard/scaler_overflows, not abort the run (CPU cannot run fp16).
 #
 #   DATA=data_cache/default OUT=/some/dir bash scripts/gpu_check_training.sh      (~3-4 minutes on one H200)
 #
@@ -35,6 +37,8 @@ step fit_default 180 "${FIT[@]}" "${MODEL[@]}" --name default --trainer.max_step
 step zero2_part 180 "${FIT[@]}" "${MODEL[@]}" --name zero2 --trainer.strategy zero2 --trainer.devices 1 --trainer.max_steps 40 --checkpoint.every_n_steps 20 --optim.decay_steps 60
 step zero2_resume 180 "${FIT[@]}" "${MODEL[@]}" --name zero2 --trainer.strategy zero2 --trainer.devices 1 --trainer.max_steps 60 --checkpoint.every_n_steps 20 --optim.decay_steps 60 --ckpt_path last
 step zero3 180 "${FIT[@]}" "${MODEL[@]}" --name zero3 --trainer.strategy zero3 --trainer.devices 1 --trainer.max_steps 40 --checkpoint.every_n_steps 20 --optim.decay_steps 60
+step fp16 180 "${FIT[@]}" "${MODEL[@]}" --name fp16 --trainer.precision 16-mixed --trainer.max_steps 30 --checkpoint.every_n_steps 0
+step fp16_zero2 180 "${FIT[@]}" "${MODEL[@]}" --name fp16_zero2 --trainer.precision 16-mixed --trainer.strategy zero2 --trainer.devices 1 --trainer.max_steps 30 --checkpoint.every_n_steps 0
 step report 120 "$PY" - "$RUNS" <<'PYEOF'
 import json, sys
 from pathlib import Path
@@ -43,12 +47,12 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from tests.helpers.runs import consolidated_state_dict
 from model import ModelConfig, Transformer
 runs = Path(sys.argv[1])
-for name in ("default", "zero2", "zero3"):
+for name in ("default", "zero2", "zero3", "fp16", "fp16_zero2"):
     acc = EventAccumulator(str(runs / name), size_guidance={"scalars": 0}); acc.Reload()
     tags = acc.Tags()["scalars"]
     row = {t: [(e.step, round(e.value, 4)) for e in acc.Scalars(t)][-3:] for t in
            ("train/loss", "val/loss", "val/ppl", "throughput/tokens_per_sec", "throughput/mfu",
-            "throughput/peak_tflops") if t in tags}
+            "throughput/peak_tflops", "guard/scaler_overflows", "guard/skipped_steps") if t in tags}
     steps = [e.step for e in acc.Scalars("train/loss")]
     row["train/loss steps unique"] = len(steps) == len(set(steps))
     row["manifests"] = [json.loads(p.read_text()) for p in sorted((runs / name / "checkpoints").glob("*/manifest.json"))]

@@ -30,7 +30,7 @@ def test_single_process_exact_resume_and_run_layout(tmp_path):
     assert max(scalars(resumed, "train/loss")) == 6
     fit(tmp_path, "resumed", "probe.yaml", "--ckpt_path", "last")
 
-    for tag in ("train/loss", "train/lr", "val/loss", "val/ppl", "probe/rng"):
+    for tag in ("train/loss", "train/lr", "val/loss", "val/ppl", "probe/rng", "guard/loss_z"):
         assert scalars(resumed, tag) == scalars(straight, tag), tag
     final = [consolidated_state_dict(run / "checkpoints" / "step-00000008", tmp_path) for run in (straight, resumed)]
     assert all(torch.equal(final[0][k], final[1][k]) for k in final[0])

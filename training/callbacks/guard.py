@@ -83,7 +83,7 @@ class NonFiniteGuard(Callback):
             raise ValueError(f"guard.skip_spike_z={skip_spike_z} needs a positive value and guard.policy=skip")
         self.policy, self.max_consecutive_skips = policy, max_consecutive_skips
         self.spike_window, self.skip_spike_z = spike_window, skip_spike_z
-        self.skipped = 0  # steps skipped in this process's run (by the guard or by DeepSpeed)
+        self.skipped = 0  # steps skipped in this run, across restarts (by the guard or by DeepSpeed)
         self.consecutive = 0
         self._losses: deque[float] = deque(maxlen=spike_window)
         self._step_losses: list[torch.Tensor] = []
@@ -93,6 +93,16 @@ class NonFiniteGuard(Callback):
         self._decided = False  # on_before_optimizer_step ran for the current step
         self._ds_skipped = 0
         self._judged: tuple[bool, float, float] | None = None  # the step's loss verdict, when reached early
+
+    # Saved in every checkpoint, so a resumed run judges spikes against the same window and keeps counting.
+    def state_dict(self) -> dict[str, Any]:
+        return {"losses": list(self._losses), "skipped": self.skipped, "consecutive": self.consecutive,
+                "scaler_overflows": self.scaler_overflows}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._losses.extend(state_dict["losses"])  # (the newest spike_window of them)
+        self.skipped, self.consecutive = state_dict["skipped"], state_dict["consecutive"]
+        self.scaler_overflows = state_dict["scaler_overflows"]
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if is_deepspeed(trainer.strategy):

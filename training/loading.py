@@ -62,7 +62,7 @@ def _torch_load(path: Path) -> Any:
                               "checkpoint, e.g. the previous step directory") from err
 
 
-def _deepspeed_state(ckpt_dir: Path) -> dict[str, torch.Tensor]:
+def deepspeed_state_dict(ckpt_dir: Path) -> dict[str, torch.Tensor]:
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     latest = ckpt_dir / "latest"
@@ -124,7 +124,7 @@ def _load_step_dir(ckpt_dir: Path) -> Loaded:
         raise CheckpointError(f"'{ckpt_dir}' has no {MODEL_CONFIG_FILE}: it was not written by normlab")
     config = _read_json(ckpt_dir / MODEL_CONFIG_FILE)
     if manifest.get("format") == "deepspeed":
-        state = _deepspeed_state(ckpt_dir)
+        state = deepspeed_state_dict(ckpt_dir)
     else:
         file = ckpt_dir / LIGHTNING_FILE
         if not file.is_file():

@@ -39,6 +39,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import lightning
 import torch
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.accelerators import CUDAAccelerator
@@ -138,17 +139,13 @@ class DeepSpeed(DeepSpeedStrategy):
         from training.checkpoint import MANIFEST, read_manifest
 
         manifest_file = Path(checkpoint_path) / MANIFEST
+        fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
+        if not fitting and self.zero_stage_3 and Path(checkpoint_path).is_dir():
+            return self._load_zero3_weights_for_inference(Path(checkpoint_path))
         saved_world = read_manifest(checkpoint_path).get("world_size") if manifest_file.is_file() else None
-        if saved_world in (None, self.world_size):
-            return super().load_checkpoint(checkpoint_path, weights_only)
-        if self.lightning_module.trainer.state.fn != TrainerFn.FITTING:
-            # validate/test/predict: Lightning builds an inference engine without an optimizer. Under ZeRO-1/2 it
-            # is not sharded and reads the whole weights, on any world size; ZeRO-3 weights are shards.
-            if self.zero_stage_3:
-                raise RuntimeError(
-                    f"{checkpoint_path} holds ZeRO-3 shards of {saved_world} ranks: Lightning's validate/test load "
-                    f"them on {saved_world} ranks only. Use `normlab evaluate --checkpoint {checkpoint_path}` (any "
-                    f"world size), or --trainer.devices {saved_world}")
+        if saved_world in (None, self.world_size) or not fitting:
+            # (validate/test under ZeRO-1/2: Lightning's inference engine is not sharded and reads the whole
+            # weights, whatever world size wrote them)
             return super().load_checkpoint(checkpoint_path, weights_only)
         error = None
         if self.is_global_zero:
@@ -172,6 +169,34 @@ class DeepSpeed(DeepSpeedStrategy):
             config.load_universal_checkpoint = False
             if self.zero_stage_3:  # (the ZeRO-1/2 loader restores each group's own values itself)
                 _repair_zero3_universal_load(optimizer, own)
+
+    def _load_zero3_weights_for_inference(self, ckpt_dir: Path) -> dict[str, Any]:
+        """validate/test/predict of a ZeRO-3 checkpoint, on any world size. Lightning builds an inference engine
+        without an optimizer, into which DeepSpeed 0.19 cannot load a ZeRO-3 checkpoint (it calls the missing
+        optimizer's `_restore_from_bit16_weights`). So rank 0 consolidates the shards (DeepSpeed's zero_to_fp32,
+        as `normlab evaluate` does) and Lightning's own ZeRO-3 loader copies the full weights into the
+        partitioned parameters, one module at a time."""
+        from training.loading import deepspeed_state_dict
+
+        state: dict[str, torch.Tensor] = {}
+        error = None
+        if self.is_global_zero:
+            try:
+                state = deepspeed_state_dict(ckpt_dir)
+                expected = set(self.lightning_module.state_dict())
+                if set(state) != expected:
+                    error = (f"{ckpt_dir} does not hold this model's weights: missing {sorted(expected - set(state))}, "
+                             f"unexpected {sorted(set(state) - expected)}")
+            except Exception as err:  # a CheckpointError naming the shard, usually
+                error = f"{type(err).__name__}: {err}"
+        error = self.broadcast(error)  # every rank stops, or none (the loader below is a collective)
+        if error is not None:
+            raise RuntimeError(error)
+        # (the version key: Lightning's checkpoint migration reads it; the weights are what matters here)
+        checkpoint = {"state_dict": state, "pytorch-lightning_version": lightning.__version__}
+        self._restore_zero_state(checkpoint, strict=True)
+        log.info("loaded the consolidated weights of %s into ZeRO-3 partitions", ckpt_dir)
+        return checkpoint
 
     def backward(self, closure_loss: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
         # Lightning has already divided the loss by accumulate_grad_batches; DeepSpeed's engine.backward would

@@ -25,29 +25,22 @@ HELPERS = REPO / "tests" / "helpers"
 STEP = "step-00000004"
 
 
-@pytest.fixture(scope="module")
-def root(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("export")
-    make_tiny_corpus(root)
-    return root
-
-
-def fit(root: Path, preset: str) -> Path:
-    run_normlab(["fit", "-c", str(HELPERS / "tiny.yaml"), "--data.path", str(root / "tiny"), "--runs_dir",
-                 str(root / "runs"), "--name", preset, "--model.preset", preset, "--trainer.max_steps", "4",
-                 "--model.n_kv_heads", "2"], cwd=root)
-    return root / "runs" / preset / "checkpoints" / STEP
+def fit(workdir: Path, preset: str) -> Path:
+    run_normlab(["fit", "-c", str(HELPERS / "tiny.yaml"), "--data.path", str(workdir / "tiny"), "--runs_dir",
+                 str(workdir / "runs"), "--name", preset, "--model.preset", preset, "--trainer.max_steps", "4",
+                 "--model.n_kv_heads", "2"], cwd=workdir)
+    return workdir / "runs" / preset / "checkpoints" / STEP
 
 
 @pytest.fixture(scope="module")
-def runs(root) -> dict[str, Path]:
-    return {preset: fit(root, preset) for preset in ("llama", "qwen3", "olmo2", "post")}
+def runs(workdir) -> dict[str, Path]:
+    return {preset: fit(workdir, preset) for preset in ("llama", "qwen3", "olmo2", "post")}
 
 
 @pytest.mark.parametrize("preset, model_type", [("llama", "llama"), ("qwen3", "qwen3"), ("olmo2", "olmo2")])
-def test_export_loads_in_transformers_with_our_logits_and_tokenizer(preset, model_type, runs, root, tmp_path):
+def test_export_loads_in_transformers_with_our_logits_and_tokenizer(preset, model_type, runs, workdir, tmp_path):
     out = tmp_path / "hf"
-    run_normlab(["export", "--checkpoint", str(runs[preset]), "--output", str(out)], cwd=root)
+    run_normlab(["export", "--checkpoint", str(runs[preset]), "--output", str(out)], cwd=workdir)
     assert {"config.json", "model.safetensors", "generation_config.json", "tokenizer.json"} <= {
         p.name for p in out.iterdir()}
     assert json.loads((out / "config.json").read_text())["model_type"] == model_type
@@ -60,7 +53,7 @@ def test_export_loads_in_transformers_with_our_logits_and_tokenizer(preset, mode
     import sentencepiece as spm
 
     tok = transformers.AutoTokenizer.from_pretrained(out, local_files_only=True)
-    sp = spm.SentencePieceProcessor(model_file=str(root / "tiny" / "tokenizer.model"))
+    sp = spm.SentencePieceProcessor(model_file=str(workdir / "tiny" / "tokenizer.model"))
     for text in ("the quick brown fox.", "  two spaces and ünïcode — 🙂\nnew line"):
         ids = tok.encode(text, add_special_tokens=False)
         assert ids == sp.encode(text)
@@ -68,9 +61,9 @@ def test_export_loads_in_transformers_with_our_logits_and_tokenizer(preset, mode
     assert tok.eos_token_id == sp.eos_id()
 
 
-def test_greedy_generation_equals_transformers(runs, root, tmp_path):
+def test_greedy_generation_equals_transformers(runs, workdir, tmp_path):
     out = tmp_path / "hf"
-    run_normlab(["export", "--checkpoint", str(runs["qwen3"]), "--output", str(out)], cwd=root)
+    run_normlab(["export", "--checkpoint", str(runs["qwen3"]), "--output", str(out)], cwd=workdir)
     hf = transformers.AutoModelForCausalLM.from_pretrained(out, local_files_only=True).eval()
     tok = transformers.AutoTokenizer.from_pretrained(out, local_files_only=True)
     prompt = "the cat sat on"
@@ -82,31 +75,31 @@ def test_greedy_generation_equals_transformers(runs, root, tmp_path):
     ours = generate(load_checkpoint(runs["qwen3"]).model, ids, 5)  # greedy, KV cache
     assert torch.equal(ours, theirs)
     proc = run_normlab(["generate", "--checkpoint", str(runs["qwen3"]), "--prompt", prompt, "--max-new-tokens", "8",
-                        "--temperature", "0"], cwd=root)
+                        "--temperature", "0"], cwd=workdir)
     assert proc.stdout.startswith(prompt) and len(proc.stdout.strip()) > len(prompt)
 
 
-def test_evaluate_single_process_checkpoint(runs, root, tmp_path):
+def test_evaluate_single_process_checkpoint(runs, workdir, tmp_path):
     from tests.helpers.runs import scalars
 
     out = tmp_path / "eval.json"
     run_normlab(["evaluate", "--checkpoint", str(runs["llama"]), "--output", str(out), "--max-tokens", "600"],
-                cwd=root)
+                cwd=workdir)
     result = json.loads(out.read_text())
     assert result["perplexity"] == pytest.approx(math.exp(result["loss"]))
     assert result["tokens"] == (600 // 16) * 16  # whole windows of the run's seq_len
     assert scalars(runs["llama"].parent.parent, "eval/val/loss")[4] == pytest.approx(result["loss"], rel=1e-6)
 
 
-def test_unexportable_config_names_the_field_and_safetensors_still_works(runs, root, tmp_path):
-    proc = run_normlab(["export", "--checkpoint", str(runs["post"]), "--output", str(tmp_path / "hf")], cwd=root,
+def test_unexportable_config_names_the_field_and_safetensors_still_works(runs, workdir, tmp_path):
+    proc = run_normlab(["export", "--checkpoint", str(runs["post"]), "--output", str(tmp_path / "hf")], cwd=workdir,
                        expect_ok=False)
     assert proc.returncode == 2
     assert "ModelConfig.norm='layernorm'" in proc.stderr and "--format safetensors" in proc.stderr
     assert not (tmp_path / "hf").exists()  # nothing half-written
     out = tmp_path / "own"
     run_normlab(["export", "--checkpoint", str(runs["post"]), "--output", str(out), "--format", "safetensors",
-                 "--dtype", "bfloat16"], cwd=root)
+                 "--dtype", "bfloat16"], cwd=workdir)
     again = load_checkpoint(out)
     original = load_checkpoint(runs["post"])
     assert again.model.cfg == original.model.cfg
@@ -115,9 +108,9 @@ def test_unexportable_config_names_the_field_and_safetensors_still_works(runs, r
         assert (again.model(tokens) - original.model(tokens)).abs().max().item() < 0.1
 
 
-def test_bad_inputs_give_clear_errors(runs, root, tmp_path):
+def test_bad_inputs_give_clear_errors(runs, workdir, tmp_path):
     def fails(*args: str) -> str:
-        proc = run_normlab(list(args), cwd=root, expect_ok=False)
+        proc = run_normlab(list(args), cwd=workdir, expect_ok=False)
         assert proc.returncode == 2, proc.stdout + proc.stderr
         return proc.stderr
 
@@ -142,14 +135,14 @@ def test_bad_inputs_give_clear_errors(runs, root, tmp_path):
                                           str(other / "tiny"))
 
 
-def test_normlab_test_and_validate_on_a_checkpoint(runs, root):
+def test_normlab_test_and_validate_on_a_checkpoint(runs, workdir):
     """`normlab test` / `validate` (LightningCLI) on a saved checkpoint: the held-out split, the run's loss."""
     from tests.helpers.runs import scalars
 
     for command in ("validate", "test"):
-        proc = run_normlab([command, "-c", str(HELPERS / "tiny.yaml"), "--data.path", str(root / "tiny"),
-                            "--runs_dir", str(root / "runs"), "--name", "llama", "--model.n_kv_heads", "2",
-                            "--ckpt_path", str(runs["llama"])], cwd=root)
+        proc = run_normlab([command, "-c", str(HELPERS / "tiny.yaml"), "--data.path", str(workdir / "tiny"),
+                            "--runs_dir", str(workdir / "runs"), "--name", "llama", "--model.n_kv_heads", "2",
+                            "--ckpt_path", str(runs["llama"])], cwd=workdir)
         table = proc.stdout + proc.stderr
         assert f"{'val' if command == 'validate' else 'test'}/loss" in table
     # the same windows as the run's own validation at step 4 (the checkpoint's weights)

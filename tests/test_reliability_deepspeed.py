@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers.data import make_tiny_corpus
 from tests.helpers.faults import kill_when_paused
 from tests.helpers.multiproc import REPO, run_normlab
 from tests.helpers.runs import consolidated_state_dict, scalars
@@ -21,13 +20,6 @@ from tests.helpers.runs import consolidated_state_dict, scalars
 pytestmark = pytest.mark.slow
 
 HELPERS = REPO / "tests" / "helpers"
-
-
-@pytest.fixture(scope="module")
-def workdir(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("reliability")
-    make_tiny_corpus(root)
-    return root
 
 
 def fit_args(workdir: Path, name: str, *extra: str, devices: int = 2) -> list[str]:

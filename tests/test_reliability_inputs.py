@@ -13,7 +13,6 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tests.helpers.data import make_tiny_corpus
 from tests.helpers.multiproc import REPO
 from training import checkpoint
 from training.callbacks.guard import NonFiniteError, NonFiniteGuard
@@ -29,35 +28,28 @@ pytestmark = pytest.mark.filterwarnings("ignore:LightningCLI's args parameter")
 HELPERS = REPO / "tests" / "helpers"
 
 
-@pytest.fixture(scope="module")
-def root(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("inputs")
-    make_tiny_corpus(root)
-    return root
-
-
-def fit(root: Path, name: str, *extra: str) -> None:
-    main(["fit", "-c", str(HELPERS / "tiny.yaml"), "--data.path", str(root / "tiny"), "--runs_dir",
-          str(root / "runs"), "--name", name, "--trainer.devices", "1", "--trainer.logger", "false",
+def fit(workdir: Path, name: str, *extra: str) -> None:
+    main(["fit", "-c", str(HELPERS / "tiny.yaml"), "--data.path", str(workdir / "tiny"), "--runs_dir",
+          str(workdir / "runs"), "--name", name, "--trainer.devices", "1", "--trainer.logger", "false",
           "--metrics.every_n_steps", "0", "--checkpoint.every_n_steps", "2", *extra])
 
 
-def step_dir(root: Path, name: str, step: int) -> Path:
-    return root / "runs" / name / "checkpoints" / checkpoint.step_dirname(step)
+def step_dir(workdir: Path, name: str, step: int) -> Path:
+    return workdir / "runs" / name / "checkpoints" / checkpoint.step_dirname(step)
 
 
 @pytest.fixture(scope="module")
-def finished(root) -> Path:
+def finished(workdir) -> Path:
     """A complete 4-step run (checkpoints 2 and 4) for the resume checks."""
-    fit(root, "finished", "--trainer.max_steps", "4")
-    return root / "runs" / "finished"
+    fit(workdir, "finished", "--trainer.max_steps", "4")
+    return workdir / "runs" / "finished"
 
 
 def copy_run(finished: Path, name: str) -> Path:
     return Path(shutil.copytree(finished, finished.parent / name))
 
 
-def test_guard_skip_leaves_weights_and_optimizer_untouched_then_aborts(root, tmp_path):
+def test_guard_skip_leaves_weights_and_optimizer_untouched_then_aborts(workdir, tmp_path):
     """NaN gradients at updates 3, 4 and 5 with `skip` and max_consecutive_skips=2: updates 3 and 4 are dropped
     (checkpoint 4 holds exactly checkpoint 2's weights and AdamW state), the third in a row aborts."""
     nan = tmp_path / "nan.yaml"
@@ -65,80 +57,80 @@ def test_guard_skip_leaves_weights_and_optimizer_untouched_then_aborts(root, tmp
                    "      init_args: {steps: [3, 4, 5], rank: 0}\n")
     with pytest.raises(NonFiniteError, match=r"non-finite gradient, first in layer L1 \(layers\.1\..*at step 5: "
                                              r"3 consecutive updates skipped \(guard.max_consecutive_skips=2\)"):
-        fit(root, "skip", "-c", str(nan), "--guard.policy", "skip", "--guard.max_consecutive_skips", "2")
-    two, four = (torch.load(step_dir(root, "skip", s) / "model.ckpt", weights_only=True) for s in (2, 4))
+        fit(workdir, "skip", "-c", str(nan), "--guard.policy", "skip", "--guard.max_consecutive_skips", "2")
+    two, four = (torch.load(step_dir(workdir, "skip", s) / "model.ckpt", weights_only=True) for s in (2, 4))
     assert four["global_step"] == 4 and two["global_step"] == 2
     assert all(torch.equal(two["state_dict"][k], four["state_dict"][k]) for k in two["state_dict"])
     state2, state4 = (c["optimizer_states"][0]["state"] for c in (two, four))
     assert all(torch.equal(state2[i][k], state4[i][k]) for i in state2 for k in state2[i])
-    assert not step_dir(root, "skip", 6).exists()
+    assert not step_dir(workdir, "skip", 6).exists()
 
 
-def test_guard_skips_a_loss_spike(root, tmp_path, caplog):
+def test_guard_skips_a_loss_spike(workdir, tmp_path, caplog):
     """A 10x loss at update 5 with `skip` and skip_spike_z=3: the z-score is logged, the update is dropped
     (checkpoint 5 holds exactly checkpoint 4's weights and AdamW state) and training goes on."""
     spike = tmp_path / "spike.yaml"
     spike.write_text("trainer:\n  callbacks:\n    - class_path: tests.helpers.faults.InjectLossSpike\n"
                      "      init_args: {steps: [5]}\n")
     with caplog.at_level("WARNING", logger="training.callbacks.guard"):
-        fit(root, "spike", "-c", str(spike), "--guard.policy", "skip", "--guard.skip_spike_z", "3",
+        fit(workdir, "spike", "-c", str(spike), "--guard.policy", "skip", "--guard.skip_spike_z", "3",
             "--checkpoint.every_n_steps", "1", "--trainer.max_steps", "6")
     assert "skipped update: loss spike at step 5" in caplog.text
-    four, five, six = (torch.load(step_dir(root, "spike", s) / "model.ckpt", weights_only=True) for s in (4, 5, 6))
+    four, five, six = (torch.load(step_dir(workdir, "spike", s) / "model.ckpt", weights_only=True) for s in (4, 5, 6))
     assert all(torch.equal(four["state_dict"][k], five["state_dict"][k]) for k in four["state_dict"])
     state4, state5 = (c["optimizer_states"][0]["state"] for c in (four, five))
     assert all(torch.equal(state4[i][k], state5[i][k]) for i in state4 for k in state4[i])
     assert not all(torch.equal(five["state_dict"][k], six["state_dict"][k]) for k in five["state_dict"])
 
 
-def test_disk_full_during_save(root, monkeypatch):
+def test_disk_full_during_save(workdir, monkeypatch):
     """ENOSPC while the manifest of step 4 is written: a clear error, the partial checkpoint moved aside, the
     previous one intact — and `--ckpt_path last` resumes from it."""
     monkeypatch.setenv(step_checkpoint.FAULT_ENV, "enospc_manifest@4")
     with pytest.raises(CheckpointError, match=r"saving checkpoint step 4 into .* failed: the disk is full .*moved "
                                               r"to .*incomplete/step-00000004.*resume with --ckpt_path last"):
-        fit(root, "full")
-    ckpts = root / "runs" / "full" / "checkpoints"
+        fit(workdir, "full")
+    ckpts = workdir / "runs" / "full" / "checkpoints"
     assert sorted(p.name for p in ckpts.iterdir()) == ["incomplete", "step-00000002"]
     assert (ckpts / "incomplete" / "step-00000004" / "model.ckpt").is_file()
     monkeypatch.delenv(step_checkpoint.FAULT_ENV)
-    fit(root, "full", "--ckpt_path", "last", "--trainer.max_steps", "4")
+    fit(workdir, "full", "--ckpt_path", "last", "--trainer.max_steps", "4")
     assert checkpoint.read_manifest(ckpts / "step-00000004")["step"] == 4
 
 
-def test_resume_with_changed_model_config(root, finished):
+def test_resume_with_changed_model_config(workdir, finished):
     with pytest.raises(CheckpointError, match=r"cannot resume .*step-00000004: the model config changed \(dim: 32 "
                                               r"→ 64.*model_config.json"):
-        fit(root, "finished", "--ckpt_path", "last", "--model.dim", "64")
+        fit(workdir, "finished", "--ckpt_path", "last", "--model.dim", "64")
 
 
-def test_resume_with_another_tokenizer(root, finished):
+def test_resume_with_another_tokenizer(workdir, finished):
     run = copy_run(finished, "retokenized")
     manifest = json.loads((run / "checkpoints" / "step-00000004" / "manifest.json").read_text())
     manifest["tokenizer_hash"] = "0" * 64  # as if trained with another tokenizer
     (run / "checkpoints" / "step-00000004" / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(CheckpointError, match=r"the tokenizer differs from the one it was trained with"):
-        fit(root, "retokenized", "--ckpt_path", "last")
+        fit(workdir, "retokenized", "--ckpt_path", "last")
 
 
-def test_corrupt_manifest(root, finished):
+def test_corrupt_manifest(workdir, finished):
     run = copy_run(finished, "corrupt")
     (run / "checkpoints" / "step-00000004" / "manifest.json").write_text('{"step": 4, "form')
     with pytest.raises(CheckpointError, match=r"corrupt manifest .*step-00000004/manifest.json.*resume from the "
                                               r"previous checkpoint"):
-        fit(root, "corrupt", "--ckpt_path", "last")
+        fit(workdir, "corrupt", "--ckpt_path", "last")
     with pytest.raises(CheckpointError, match="corrupt manifest"):
         load_checkpoint(run / "checkpoints" / "step-00000004")
 
 
-def test_missing_or_truncated_shard(root, finished):
+def test_missing_or_truncated_shard(workdir, finished):
     run = copy_run(finished, "damaged")
     ckpt = run / "checkpoints" / "step-00000004"
     assert "model.ckpt" in checkpoint.read_manifest(ckpt)["files"]
     data = (ckpt / "model.ckpt").read_bytes()
     (ckpt / "model.ckpt").write_bytes(data[: len(data) // 2])
     with pytest.raises(CheckpointError, match=r"'model.ckpt' is truncated or altered \(\d+ bytes, \d+ when saved\)"):
-        fit(root, "damaged", "--ckpt_path", "last")
+        fit(workdir, "damaged", "--ckpt_path", "last")
     with pytest.raises(CheckpointError, match=r"'model.ckpt' is truncated"):
         load_checkpoint(ckpt)
     (ckpt / "model.ckpt").unlink()

@@ -15,7 +15,6 @@ import pytest
 import torch
 
 from model import ModelConfig, Transformer
-from tests.helpers.data import make_tiny_corpus
 from tests.helpers.multiproc import REPO, run_deepspeed_nodes, run_normlab, run_torchrun
 from tests.helpers.runs import consolidated_state_dict, scalars
 
@@ -23,13 +22,6 @@ pytestmark = pytest.mark.slow
 
 HELPERS = REPO / "tests" / "helpers"
 TAGS = ("train/loss", "train/lr", "val/loss", "probe/rng")
-
-
-@pytest.fixture(scope="module")
-def workdir(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("deepspeed")
-    make_tiny_corpus(root)
-    return root
 
 
 def fit_args(workdir: Path, name: str, stage: str, *extra: str, probe: str = "probe.yaml") -> list[str]:

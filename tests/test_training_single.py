@@ -8,7 +8,6 @@ import pytest
 import torch
 import yaml
 
-from tests.helpers.data import make_tiny_corpus
 from tests.helpers.multiproc import REPO, run_normlab
 from tests.helpers.runs import consolidated_state_dict, scalars
 
@@ -23,12 +22,11 @@ def fit(root: Path, name: str, probe: str, *extra: str) -> Path:
     return root / "runs" / name
 
 
-def test_single_process_exact_resume_and_run_layout(tmp_path):
-    make_tiny_corpus(tmp_path)
-    straight = fit(tmp_path, "straight", "probe.yaml")
-    resumed = fit(tmp_path, "resumed", "interrupted.yaml")
+def test_single_process_exact_resume_and_run_layout(workdir, tmp_path):
+    straight = fit(workdir, "straight", "probe.yaml")
+    resumed = fit(workdir, "resumed", "interrupted.yaml")
     assert max(scalars(resumed, "train/loss")) == 6
-    fit(tmp_path, "resumed", "probe.yaml", "--ckpt_path", "last")
+    fit(workdir, "resumed", "probe.yaml", "--ckpt_path", "last")
 
     for tag in ("train/loss", "train/lr", "val/loss", "val/ppl", "probe/rng", "guard/loss_z"):
         assert scalars(resumed, tag) == scalars(straight, tag), tag
@@ -49,14 +47,13 @@ def test_single_process_exact_resume_and_run_layout(tmp_path):
     assert len(state["rng_states"]) == 1 and state["model_config"]["dim"] == 32
 
 
-def test_train_loss_is_the_mean_over_the_updates_micro_batches(tmp_path):
+def test_train_loss_is_the_mean_over_the_updates_micro_batches(workdir, tmp_path):
     """With 2 micro-batches per update, train/loss is their mean (Lightning alone would log the last one's)."""
-    make_tiny_corpus(tmp_path)
     record = tmp_path / "micro.json"
     (tmp_path / "recorder.yaml").write_text(
         "trainer:\n  callbacks:\n    - class_path: tests.helpers.callbacks.MicroBatchLosses\n"
         f"      init_args: {{path: '{record}'}}\n")
-    run = fit(tmp_path, "micro", str(tmp_path / "recorder.yaml"), "--trainer.max_steps", "1",
+    run = fit(workdir, "micro", str(tmp_path / "recorder.yaml"), "--trainer.max_steps", "1",
               "--checkpoint.every_n_steps", "0")
     losses = json.loads(record.read_text())
     assert len(losses) == 2 and losses[0] != losses[1]

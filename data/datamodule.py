@@ -141,14 +141,15 @@ class TokenDataModule(L.LightningDataModule):
 
     def train_dataloader(self) -> DataLoader:
         rank, world_size = self._position()
-        start = self.tokens_seen() // self.seq_len
+        tokens_seen = self.tokens_seen()
+        start = tokens_seen // self.seq_len
         split = self.meta["splits"]["train"]
         dataset = TrainBatches(
             self.path / split["file"], self.meta["dtype"], split["tokens"], seq_len=self.seq_len,
             batch_size=self.batch_size, seed=self.seed, start_sample=start, rank=rank, world_size=world_size,
         )
         logger.info("train data: rank %d/%d starts after %d samples (%d tokens seen)", rank, world_size, start,
-                    self.tokens_seen())
+                    tokens_seen)
         return self._loader(dataset)
 
     def val_dataloader(self) -> DataLoader | list:

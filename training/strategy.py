@@ -76,7 +76,7 @@ def is_deepspeed(strategy: Strategy) -> bool:
 
 
 @contextmanager
-def _patched(owner: Any, name: str, wrap: Callable[[Callable], Callable]) -> Iterator[None]:
+def patched(owner: Any, name: str, wrap: Callable[[Callable], Callable]) -> Iterator[None]:
     """Temporarily replace `owner.name` with `wrap(original)`."""
     original = getattr(owner, name)
     setattr(owner, name, wrap(original))
@@ -118,7 +118,7 @@ class DeepSpeed(DeepSpeedStrategy):
         # (`deepspeed.comm.torch` as an attribute is the torch package that deepspeed.comm imports; hence importlib.)
         ds_torch_backend = importlib.import_module("deepspeed.comm.torch")
         # The shm op serves inference all-reduce only (see the module docstring): do not JIT-build it.
-        with _patched(ds_torch_backend, "build_shm_op", lambda _: lambda: None):
+        with patched(ds_torch_backend, "build_shm_op", lambda _: lambda: None):
             self._init_deepspeed_distributed()
 
     def _setup_model_and_optimizer(self, *args: Any, **kwargs: Any) -> Any:
@@ -132,7 +132,7 @@ class DeepSpeed(DeepSpeedStrategy):
             return fn(*args, **kwargs)
         import deepspeed
 
-        with _patched(deepspeed, "initialize", _with_device_rank_zero):  # (3)
+        with patched(deepspeed, "initialize", _with_device_rank_zero):  # (3)
             return fn(*args, **kwargs)
 
     def load_checkpoint(self, checkpoint_path: str | Path, weights_only: bool | None = None) -> dict[str, Any]:
@@ -147,16 +147,7 @@ class DeepSpeed(DeepSpeedStrategy):
             # (validate/test under ZeRO-1/2: Lightning's inference engine is not sharded and reads the whole
             # weights, whatever world size wrote them)
             return super().load_checkpoint(checkpoint_path, weights_only)
-        error = None
-        if self.is_global_zero:
-            try:
-                to_universal(Path(checkpoint_path))
-            except (OSError, RuntimeError) as err:
-                error = str(err)
-        # Rank 0's outcome reaches every rank (a barrier would leave the others waiting forever if it failed).
-        error = self.broadcast(error)
-        if error is not None:
-            raise RuntimeError(error)
+        self._on_rank_zero(lambda: to_universal(Path(checkpoint_path)))
         log.warning("loading %s (written by %d ranks) on %d ranks through DeepSpeed's universal checkpoint",
                     checkpoint_path, saved_world, self.world_size)
         config = self.deepspeed_engine._config  # the engine reads this flag at load time only
@@ -176,27 +167,37 @@ class DeepSpeed(DeepSpeedStrategy):
         optimizer's `_restore_from_bit16_weights`). So rank 0 consolidates the shards (DeepSpeed's zero_to_fp32,
         as `normlab evaluate` does) and Lightning's own ZeRO-3 loader copies the full weights into the
         partitioned parameters, one module at a time."""
+        from training.checkpoint import CheckpointError
         from training.loading import deepspeed_state_dict
 
-        state: dict[str, torch.Tensor] = {}
-        error = None
-        if self.is_global_zero:
-            try:
-                state = deepspeed_state_dict(ckpt_dir)
-                expected = set(self.lightning_module.state_dict())
-                if set(state) != expected:
-                    error = (f"{ckpt_dir} does not hold this model's weights: missing {sorted(expected - set(state))}, "
-                             f"unexpected {sorted(set(state) - expected)}")
-            except Exception as err:  # a CheckpointError naming the shard, usually
-                error = f"{type(err).__name__}: {err}"
-        error = self.broadcast(error)  # every rank stops, or none (the loader below is a collective)
-        if error is not None:
-            raise RuntimeError(error)
+        def consolidated() -> dict[str, torch.Tensor]:
+            state = deepspeed_state_dict(ckpt_dir)  # a CheckpointError naming a missing or truncated shard
+            expected = set(self.lightning_module.state_dict())
+            if set(state) != expected:
+                raise CheckpointError(f"{ckpt_dir} does not hold this model's weights: missing "
+                                      f"{sorted(expected - set(state))}, unexpected {sorted(set(state) - expected)}")
+            return state
+
+        state = self._on_rank_zero(consolidated) or {}  # every rank stops, or none: the loader is a collective
         # (the version key: Lightning's checkpoint migration reads it; the weights are what matters here)
         checkpoint = {"state_dict": state, "pytorch-lightning_version": lightning.__version__}
         self._restore_zero_state(checkpoint, strict=True)
         log.info("loaded the consolidated weights of %s into ZeRO-3 partitions", ckpt_dir)
         return checkpoint
+
+    def _on_rank_zero(self, fn: Callable[[], Any]) -> Any:
+        """`fn()` on rank 0 only; its result there, None elsewhere. If it fails, every rank raises its error:
+        a rank left waiting in the next collective for a rank 0 that raised would wait forever."""
+        result = error = None
+        if self.is_global_zero:
+            try:
+                result = fn()
+            except Exception as err:  # any failure must reach the other ranks
+                error = str(err)
+        error = self.broadcast(error)
+        if error is not None:
+            raise RuntimeError(error)
+        return result
 
     def backward(self, closure_loss: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
         # Lightning has already divided the loss by accumulate_grad_batches; DeepSpeed's engine.backward would
@@ -229,8 +230,8 @@ def _repair_zero3_universal_load(optimizer: Any, own: list[dict[str, Any]]) -> N
       stays as loaded — it is the LR schedule's position);
     - it stores one `step` tensor in every group's state, which AdamW increments in place once per group, so the
       second group's bias correction would run a step ahead per step: give each state its own copy.
-    Both are no-ops where the load was already right (a DeepSpeed that fixes them). Checked by resuming on another world size and comparing
-    with the straight run (tests/test_reliability_deepspeed.py)."""
+    Both are no-ops where the load was already right (a DeepSpeed that fixes them). Checked by resuming on
+    another world size and comparing with the straight run (tests/test_reliability_deepspeed.py)."""
     for group, hyper in zip(optimizer.param_groups, own, strict=True):
         group.update(hyper)
     for state in getattr(getattr(optimizer, "optimizer", None), "state", {}).values():

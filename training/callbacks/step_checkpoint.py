@@ -28,7 +28,7 @@ import os
 import shutil
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +40,7 @@ from training.checkpoint import (CONFIG_FILE, DEEPSPEED_TAG, LIGHTNING_FILE, MAN
                                  file_hash, file_sizes, fsync_path, git_revision, incomplete_checkpoints, move_aside,
                                  step_dirname, versions, write_text_atomic)
 from training.resume import check_resume
-from training.strategy import is_deepspeed
+from training.strategy import is_deepspeed, patched
 
 log = logging.getLogger(__name__)
 
@@ -93,21 +93,16 @@ def _write_errors_held(trainer: Trainer) -> Iterator[list[str]]:
 
     if is_deepspeed(strategy):
         engine = strategy.deepspeed_engine
-        patches = [(engine.checkpoint_engine, "save", 1), (engine.checkpoint_engine, "makedirs", None),
-                   (engine, "_copy_recovery_script", None)]
+        wraps = [(engine.checkpoint_engine, "save", functools.partial(holding, path_arg=1)),
+                 (engine.checkpoint_engine, "makedirs", functools.partial(holding, path_arg=None)),
+                 (engine, "_copy_recovery_script", functools.partial(holding, path_arg=None)),
+                 (engine, "save_checkpoint", lambda save: functools.partial(save, save_latest=False))]
     else:
-        patches = [(strategy.checkpoint_io, "save_checkpoint", 1)]
-    originals = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
-    for (owner, name, path_arg), (_, _, write) in zip(patches, originals):
-        setattr(owner, name, holding(write, path_arg))
-    if is_deepspeed(strategy):
-        originals.append((engine, "save_checkpoint", engine.save_checkpoint))
-        engine.save_checkpoint = functools.partial(engine.save_checkpoint, save_latest=False)
-    try:
+        wraps = [(strategy.checkpoint_io, "save_checkpoint", functools.partial(holding, path_arg=1))]
+    with ExitStack() as stack:
+        for owner, name, wrap in wraps:
+            stack.enter_context(patched(owner, name, wrap))
         yield held
-    finally:
-        for owner, name, write in originals:
-            setattr(owner, name, write)
 
 
 def _gather(trainer: Trainer, value: str | None) -> list[str | None]:

@@ -3,8 +3,8 @@
 #
 #   OUT=/some/dir bash scripts/gpu_check.sh        # results: $OUT/*.txt (default OUT: ./gpu_check_out)
 #
-# The GPU machine has no network: nothing is installed; it runs the checkout with the machine's own torch and
-# triton (PYTHONPATH), so only code that needs no other packages is exercised here.
+# The GPU machine has no network: it runs the checkout with the machine's own torch and triton (PYTHONPATH),
+# plus the wheels carried in ./.whl (scripts/gpu_wheels.sh; installed by scripts/gpu_env.sh).
 # Budget: ~8 minutes in all. Each step has its own time limit and its own log ($OUT/norms_<step>.txt); a
 # failing step is recorded in $OUT/summary.txt (appended to) and the next step still runs; the exit status is 1
 # if any step failed.
@@ -14,10 +14,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/gpu_check_out}"
 mkdir -p "$OUT"
-PY="${PYTHON:-$(command -v python3 || command -v python)}"
-export PY
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # import model/ from this checkout: no install needed
-export PYTHONUNBUFFERED=1
+# shellcheck source=scripts/gpu_env.sh
+. scripts/gpu_env.sh  # the checkout on PYTHONPATH (no install), carried wheels in a temporary target
 unset TRITON_INTERPRET NORMLAB_KERNELS  # compiled GPU kernels, and no backend override
 FAILED=0
 echo "=== scripts/gpu_check.sh, $(date -u +%FT%TZ)" >> "$OUT/summary.txt"  # appends: OUT may be shared

@@ -16,8 +16,8 @@ OUT="${OUT:-$PWD/gpu_check_out}"
 DATA="${DATA:-data_cache/default}"
 RUNS="${RUNS:-/tmp/normlab_gpu_runs}"
 mkdir -p "$OUT"
-PY="${PYTHON:-python3}"
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+# shellcheck source=scripts/gpu_env.sh
+. scripts/gpu_env.sh  # deepspeed, jsonargparse, datasets: carried wheels (bash scripts/gpu_wheels.sh first)
 : > "$OUT/summary.txt"
 
 step() {  # step NAME TIMEOUT CMD...

@@ -5,7 +5,9 @@
 #
 # The GPU machine has no network: it runs the checkout with the machine's own torch and triton (PYTHONPATH),
 # plus the wheels carried in ./.whl (scripts/gpu_wheels.sh; installed by scripts/gpu_env.sh).
-# Budget: ~8 minutes in all. Each step has its own time limit and its own log ($OUT/norms_<step>.txt); a
+# Budget: ~11 minutes in all, more than one device call may run (10 min): split it with STEPS, a space-separated
+# list of step names to run (default: all), e.g. STEPS="norms_env profile_350m loss_bench".
+# Each step has its own time limit and its own log ($OUT/<step>.txt); a
 # failing step is recorded in $OUT/summary.txt (appended to) and the next step still runs; the exit status is 1
 # if any step failed.
 # To add a step, append `step <name> <timeout-s> <command...>` in the marked place at the bottom.
@@ -24,6 +26,7 @@ echo "=== scripts/gpu_check.sh, $(date -u +%FT%TZ)" >> "$OUT/summary.txt"  # app
 step() {
   local name="$1" limit="$2"
   shift 2
+  if [ -n "${STEPS:-}" ] && [[ " $STEPS " != *" $name "* ]]; then return 0; fi
   echo "=== $name (limit ${limit}s): $*" | tee -a "$OUT/summary.txt"
   local start=$SECONDS status=0
   timeout --kill-after=10 "$limit" "$@" > "$OUT/$name.txt" 2>&1 || status=$?
@@ -67,5 +70,17 @@ TRAIN=("$PY" scripts/bench_train.py --device cuda --dtype bfloat16 --dim 1024 --
 step train_350m_eager 75 "${TRAIN[@]}" --train-seconds 25
 step train_350m_compile 165 "${TRAIN[@]}" --train-seconds 45 --compile
 
+# ---- 6. where the 371M step goes (matmul / attention / norm / loss / optimizer / idle), and the LM-head loss:
+# normlab's chunked loss vs materialized logits vs Liger's fused linear cross-entropy (carried wheel) -------
+step profile_350m 150 "$PY" scripts/profile_train.py --device cuda --dtype bfloat16 --dim 1024 --layers 24 \
+  --heads 16 --seq 2048 --batch 8 --vocab 32768 --compile --steps 5 --out "$OUT/profile_350m_table.txt"
+step loss_bench 60 "$PY" scripts/bench_loss.py --device cuda --dtype bfloat16 --tokens 16384 --dim 1024 \
+  --vocab 32768
+
 echo "=== done: failed=$FAILED; results in $OUT" | tee -a "$OUT/summary.txt"
+# The device tool brings back at most 8 files: with PACK=1 the step logs travel as one archive beside summary.txt.
+if [ "${PACK:-0}" = 1 ]; then
+  (cd "$OUT" && find . -maxdepth 1 -name '*.txt' ! -name summary.txt -printf '%f\n' | tar czf logs.tgz -T - \
+    && find . -maxdepth 1 -name '*.txt' ! -name summary.txt -delete)
+fi
 exit "$FAILED"

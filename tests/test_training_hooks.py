@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -17,11 +18,12 @@ from training.lit_module import LitLM
 STEPS, BATCH, SEQ = 2, 2, 8
 
 
-def _fit_with_hook(tmp_path: Path, compile: bool, probes: bool) -> tuple[list[tuple[int, ...]], list[dict]]:
-    """Fit STEPS steps of a tiny LitLM with a forward hook on `model.layers[0]`; returns the shapes of the
-    stream the hook saw, and the logged metrics rows."""
+def _fit_with_hook(tmp_path: Path, compile: bool, probes: bool, **model: Any) -> tuple[list[tuple[int, ...]],
+                                                                                       list[dict[str, str]]]:
+    """Fit STEPS steps of a tiny LitLM (ModelConfig fields `model` on top) with a forward hook on
+    `model.layers[0]`; returns the shapes of the stream the hook saw, and the logged metrics rows."""
     torch.manual_seed(0)
-    lit = LitLM(vocab_size=64, dim=32, n_layers=2, n_heads=4, max_seq_len=SEQ, compile=compile)
+    lit = LitLM(vocab_size=64, dim=32, n_layers=2, n_heads=4, max_seq_len=SEQ, compile=compile, **model)
     lit.configure_model()  # builds (and, with compile, compiles) the model, so the hook can be put on a block
     seen: list[tuple[int, ...]] = []
     lit.model.layers[0].register_forward_hook(lambda module, args, out: seen.append(tuple(out.value().shape)))

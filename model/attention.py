@@ -55,7 +55,8 @@ class Attention(nn.Module):
             self.q_norm, self.k_norm = build_norm(cfg, q_dim), build_norm(cfg, kv_dim)
         self.rope = RoPE()
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: LayerCache | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                cache: LayerCache | None = None) -> torch.Tensor:
         """x [B, T, dim] → [B, T, dim]. cos/sin cover positions start … start+T−1 (start = cached length)."""
         B, T, _ = x.shape
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)

@@ -71,13 +71,13 @@ def check_probes_cover_every_layer(placement: str) -> None:
         probed = model(tokens)
     assert torch.equal(plain, probed)  # the same forward, only observed
     tags = rec.scalars()
-    for l in range(3):
+    for i in range(3):
         for stem in ("resid/rms", "resid/rms_out", "attn/max_prob", "attn/entropy", "attn/saturated_frac",
                      "attn/max_logit", "attn/max_prob_worst"):
-            assert f"{stem}/L{l}" in tags
+            assert f"{stem}/L{i}" in tags
         for sub in ("attn", "mlp"):
             for stem in ("update_ratio", "update_rms", "read_rms"):
-                assert f"resid/{stem}/{sub}/L{l}" in tags
+                assert f"resid/{stem}/{sub}/L{i}" in tags
     assert "resid/final_in" in tags
     rec.values.clear()
     model(tokens)
@@ -92,23 +92,24 @@ def residual_reference(model: Transformer, tokens: torch.Tensor) -> dict[str, fl
     cos, sin = rope_cos_sin(tokens.shape[1], ref.cfg.head_dim, ref.cfg.rope_theta)
     out = {}
     x = ref.tok_embeddings(tokens)
-    for l, layer in enumerate(ref.layers):
-        out[f"resid/rms/L{l}"] = _rms(x)
-        for name, res, f in (("attn", layer.attn_res, lambda h: layer.attn(h, cos, sin)), ("mlp", layer.mlp_res, layer.mlp)):
+    for i, layer in enumerate(ref.layers):
+        out[f"resid/rms/L{i}"] = _rms(x)
+        attn = lambda h, layer=layer: layer.attn(h, cos, sin)  # noqa: E731
+        for name, res, f in (("attn", layer.attn_res, attn), ("mlp", layer.mlp_res, layer.mlp)):
             seen = {}
 
-            def sublayer(h, f=f):
+            def sublayer(h, f=f, seen=seen):
                 seen["read"], seen["out"] = h, f(h)
                 return seen["out"]
 
             formula = FORMULAS.get(ref.cfg.placement, lambda p, x, f: p.formula(x, f))
             new = formula(res, x, sublayer)
             update = new - x if res.adds_to_stream else seen["out"]
-            out[f"resid/update_rms/{name}/L{l}"] = _rms(update)
-            out[f"resid/update_ratio/{name}/L{l}"] = _rms(update) / _rms(x)
-            out[f"resid/read_rms/{name}/L{l}"] = _rms(seen["read"])
+            out[f"resid/update_rms/{name}/L{i}"] = _rms(update)
+            out[f"resid/update_ratio/{name}/L{i}"] = _rms(update) / _rms(x)
+            out[f"resid/read_rms/{name}/L{i}"] = _rms(seen["read"])
             x = new
-        out[f"resid/rms_out/L{l}"] = _rms(x)
+        out[f"resid/rms_out/L{i}"] = _rms(x)
     out["resid/final_in"] = _rms(x)
     return out
 

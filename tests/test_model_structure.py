@@ -55,7 +55,7 @@ def check_blocks_equal_formulas(name: str) -> None:
     cos, sin = rope_cos_sin(8, model.cfg.head_dim, model.cfg.rope_theta)
     plain, stream = x, Stream(x)
     for layer in model.layers:
-        plain = layer.attn_res.formula(plain, lambda h: layer.attn(h, cos, sin))
+        plain = layer.attn_res.formula(plain, lambda h, layer=layer: layer.attn(h, cos, sin))
         plain = layer.mlp_res.formula(plain, layer.mlp)
         stream = layer(stream, cos, sin)
     assert torch.allclose(plain, stream.value(), atol=1e-5), name

@@ -4,6 +4,8 @@ Shapes: B batch, T sequence, H query heads, K key/value heads (H % K == 0), D he
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -11,13 +13,17 @@ from torch import nn
 from model.init import init_std
 from model.layers import Linear
 from model.norms import build_norm
-from model.rope import apply_rope
+from model.rope import RoPE
+
+if TYPE_CHECKING:
+    from model.config import ModelConfig
 
 
 class LayerCache:
     """One layer's key/value cache for generation: preallocated [B, K, max_len, D], filled left to right."""
 
-    def __init__(self, batch: int, n_kv_heads: int, max_len: int, head_dim: int, device, dtype) -> None:
+    def __init__(self, batch: int, n_kv_heads: int, max_len: int, head_dim: int,
+                 device: torch.device, dtype: torch.dtype) -> None:
         self.k = torch.zeros(batch, n_kv_heads, max_len, head_dim, device=device, dtype=dtype)
         self.v = torch.zeros_like(self.k)
         self.length = 0
@@ -31,7 +37,7 @@ class LayerCache:
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg, layer_id: int) -> None:
+    def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.kv_heads, cfg.head_dim
         q_dim, kv_dim = cfg.n_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
@@ -47,10 +53,10 @@ class Attention(nn.Module):
             self.q_norm, self.k_norm = build_norm(cfg, cfg.head_dim), build_norm(cfg, cfg.head_dim)
         elif cfg.qk_norm == "full":
             self.q_norm, self.k_norm = build_norm(cfg, q_dim), build_norm(cfg, kv_dim)
-        # Set by model.probes to observe q and k (softmax saturation); None on the hot path.
-        self.probe = None
+        self.rope = RoPE()
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: "LayerCache | None" = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                cache: LayerCache | None = None) -> torch.Tensor:
         """x [B, T, dim] → [B, T, dim]. cos/sin cover positions start … start+T−1 (start = cached length)."""
         B, T, _ = x.shape
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
@@ -60,11 +66,8 @@ class Attention(nn.Module):
         k_BTKD = k.view(B, T, self.n_kv_heads, self.head_dim)
         if self.qk_norm == "head":  # per head, before RoPE, as in Qwen3
             q_BTHD, k_BTKD = self.q_norm(q_BTHD), self.k_norm(k_BTKD)
-        q_BHTD = apply_rope(q_BTHD.transpose(1, 2), cos, sin)
-        k_BKTD = apply_rope(k_BTKD.transpose(1, 2), cos, sin)
+        q_BHTD, k_BKTD = self.rope(q_BTHD.transpose(1, 2), k_BTKD.transpose(1, 2), cos, sin)
         v_BKTD = v.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        if self.probe is not None:
-            self.probe(q_BHTD, k_BKTD)
         mask, causal = None, True
         if cache is not None:
             start = cache.length

@@ -10,9 +10,10 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from model.residual import PLACEMENTS  # the placement registry: valid names, norms per block, final norm
+
 NORM_KINDS = ("rmsnorm", "layernorm")
 NORM_CASTS = ("llama", "gemma")
-PLACEMENTS = ("pre", "post", "sandwich", "output")
 QK_NORMS = ("none", "head", "full")
 FINAL_NORMS = ("auto", True, False)
 INITS = ("normal", "scaled", "depth", "zero")
@@ -78,7 +79,7 @@ class ModelConfig:
             _check_positive("ffn_dim", self.ffn_dim)
         _check_choice("norm", self.norm, NORM_KINDS)
         _check_choice("norm_cast", self.norm_cast, NORM_CASTS)
-        _check_choice("placement", self.placement, PLACEMENTS)
+        _check_choice("placement", self.placement, tuple(PLACEMENTS))
         _check_choice("qk_norm", self.qk_norm, QK_NORMS)
         _check_choice("final_norm", self.final_norm, FINAL_NORMS)
         _check_choice("init", self.init, INITS)
@@ -138,7 +139,7 @@ class ModelConfig:
         attn = d * (q + 2 * kv) + q * d + b * (q + 2 * kv + d)
         mlp = 3 * d * self.hidden_dim + b * (2 * self.hidden_dim + d)
         norm_params = 2 * d if (self.norm == "layernorm" and self.bias) else d
-        per_block_norms = {"pre": 2, "post": 2, "output": 2, "sandwich": 4}[self.placement] * norm_params
+        per_block_norms = 2 * PLACEMENTS[self.placement].n_norms * norm_params  # one placement per sublayer
         qk = {"none": 0, "head": 2 * hd, "full": q + kv}[self.qk_norm]
         if self.norm == "layernorm" and self.bias:
             qk *= 2
@@ -151,10 +152,8 @@ class ModelConfig:
 
     @property
     def has_final_norm(self) -> bool:
-        if self.final_norm == "auto":
-            from model.residual import PLACEMENTS as placements  # the placement knows whether it needs one
-
-            return placements[self.placement].needs_final_norm
+        if self.final_norm == "auto":  # the placement knows whether it needs one
+            return PLACEMENTS[self.placement].needs_final_norm
         return bool(self.final_norm)
 
     def flops_per_token(self, seq_len: int) -> float:

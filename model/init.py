@@ -20,13 +20,17 @@ order.
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 from torch import nn
+
+if TYPE_CHECKING:
+    from model.config import ModelConfig
 
 ROLES = ("embed", "in", "out", "head")
 
 
-def init_std(cfg, role: str, layer_id: int = 0) -> float:
+def init_std(cfg: ModelConfig, role: str, layer_id: int = 0) -> float:
     """The std of a weight by its role (see the module docstring's table)."""
     if role not in ROLES:
         raise ValueError(f"unknown init role {role!r}; choose one of {ROLES}")

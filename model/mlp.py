@@ -5,12 +5,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from model.config import ModelConfig
 from model.init import init_std
 from model.layers import Linear
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg, layer_id: int) -> None:
+    def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
         super().__init__()
         d, h = cfg.dim, cfg.hidden_dim
         self.gate_proj = Linear(d, h, cfg.bias, init_std(cfg, "in", layer_id))

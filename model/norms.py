@@ -8,10 +8,15 @@ Both call `model.kernels`, which picks the fused Triton kernel, the fast CPU pat
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
 from model.kernels import layer_norm, rms_norm
+
+if TYPE_CHECKING:
+    from model.config import ModelConfig
 
 
 class Norm(nn.Module):
@@ -69,7 +74,7 @@ class LayerNorm(Norm):
 NORMS: dict[str, type[Norm]] = {"rmsnorm": RMSNorm, "layernorm": LayerNorm}
 
 
-def build_norm(cfg, dim: int | None = None) -> Norm:
+def build_norm(cfg: ModelConfig, dim: int | None = None) -> Norm:
     """The norm `cfg` asks for, over `dim` features (default: the model width)."""
     return NORMS[cfg.norm](dim or cfg.dim, cfg.norm_eps, offset=cfg.norm_offset, cast=cfg.norm_cast,
                            bias=cfg.bias, kernels=cfg.kernels)

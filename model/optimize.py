@@ -2,13 +2,14 @@
 
 - `enable_activation_checkpointing`: keep only each block's input during forward and recompute the block in
   backward — activation memory per token drops from ~all intermediates of every block to one stream per block.
-- `compile_blocks`: `torch.compile` each block separately ("regional" compilation, as torchtitan does): one
-  graph per block shape instead of the whole model, so compile time stays small and the norms, RoPE and SwiGLU
-  elementwise work fuse. Works with the custom norm ops (they register fake kernels).
+- `compile_blocks`: compile each block as a module (`nn.Module.compile`: "regional" compilation, as torchtitan
+  does): one graph per block shape instead of the whole model, so compile time stays small and the norms, RoPE
+  and SwiGLU elementwise work fuse. Works with the custom norm ops (they register fake kernels). In place, so
+  parameter names and the state dict do not change, and a block is still called through `__call__`: forward
+  hooks on a block fire. (Hooks added *inside* a block after compiling are not guarded by Dynamo; the probes
+  therefore run the blocks eagerly while they are attached, see model/probes.py.)
 """
 from __future__ import annotations
-
-import torch
 
 from model.transformer import Transformer
 
@@ -19,9 +20,7 @@ def enable_activation_checkpointing(model: Transformer, enabled: bool = True) ->
 
 
 def compile_blocks(model: Transformer, **compile_kwargs) -> Transformer:
-    """Replace each block's hot-path method by a compiled version (idempotent)."""
+    """Compile each block in place with `torch.compile(**compile_kwargs)`; compiling again recompiles."""
     for layer in model.layers:
-        if not getattr(layer, "_normlab_compiled", False):
-            layer.forward_deferred = torch.compile(layer.forward_deferred, **compile_kwargs)
-            layer._normlab_compiled = True
+        layer.compile(**compile_kwargs)
     return model

@@ -1,16 +1,17 @@
 """Training-health probes: residual-stream growth and softmax saturation, measured on demand.
 
-Nothing here runs unless a `Recorder` is attached (`with record(model) as rec: model(tokens)`): the hot path
-pays one `is None` check per forward. While attached, the blocks run their plain (unfused) placement math so
-the stream before and after each sublayer exists as a tensor, and each attention layer hands its post-RoPE
-q and k to the recorder, which recomputes the softmax for a few sampled query rows with the same scale and
-causal mask as training — the main path keeps using `scaled_dot_product_attention`.
+Nothing here runs unless `record(model)` is active (`with record(model) as rec: model(tokens)`): it registers
+forward hooks on every block, placement, sublayer and RoPE module of a `model.Transformer`, and removes them
+on exit, so the hot path carries no probe code at all. The model runs its one (fused) forward; the hooks read
+the stream entering and leaving each block and each sublayer, what the sublayer reads, and the post-RoPE q and
+k, from which the softmax is recomputed for a few sampled query rows with the same scale and causal mask as
+training — the main path keeps using `scaled_dot_product_attention`.
 
-Tags (see DESIGN.md): `resid/rms/L{l}` (stream entering block l), `resid/rms_out/L{l}` (leaving it),
+Tags: `resid/rms/L{l}` (stream entering block l), `resid/rms_out/L{l}` (leaving it),
 `resid/update_rms/{attn,mlp}/L{l}`, `resid/update_ratio/{attn,mlp}/L{l}` (update RMS / stream RMS: the block's
 relative contribution), `resid/read_rms/{attn,mlp}/L{l}` (what the sublayer reads, after its norm if any),
 `resid/final_in` (input to the final norm), and `attn/{max_prob,entropy,saturated_frac,max_logit}/L{l}` (mean
-over heads) with `attn/*_worst/L{l}` (the worst head).
+over heads) with `attn/*_worst/L{l}` (the worst head). RMS values are means over tokens of each token's RMS.
 """
 from __future__ import annotations
 
@@ -19,6 +20,8 @@ import math
 from typing import Iterator
 
 import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 
 def token_rms(x: torch.Tensor) -> torch.Tensor:
@@ -100,19 +103,52 @@ class Recorder:
 
 
 @contextlib.contextmanager
-def record(model: torch.nn.Module, **kwargs) -> Iterator[Recorder]:
-    """Attach a Recorder to a `model.Transformer` for the forward passes inside the `with` block."""
+def record(model: nn.Module, **kwargs) -> Iterator[Recorder]:
+    """Observe a `model.Transformer`'s forward passes inside the `with` block; `kwargs` go to `Recorder`.
+
+    Blocks compiled with `model.optimize.compile_blocks` run eagerly meanwhile (`torch.compiler.set_stance`):
+    Dynamo does not guard on the hooks of submodules, so compiled code would silently skip hooks added after it
+    was compiled.
+    """
     rec = Recorder(**kwargs)
-    attns = [layer.attn for layer in model.layers]
-    for i, attn in enumerate(attns):
-        attn.probe = lambda q, k, i=i: rec.attention(i, q, k)
-    model.recorder = rec
+    handles = [h for i, block in enumerate(model.layers) for h in _observe_block(rec, i, block)]
+    last = len(model.layers) - 1
+    handles.append(model.layers[last].register_forward_hook(lambda m, args, out: rec.final(out.value())))
     try:
-        yield rec
+        with torch.compiler.set_stance("force_eager"):
+            yield rec
     finally:
-        model.recorder = None
-        for attn in attns:
-            attn.probe = None
+        for handle in handles:
+            handle.remove()
+
+
+def _observe_block(rec: Recorder, layer: int, block: nn.Module) -> list[RemovableHandle]:
+    """Hooks reporting one block's stream, sublayer reads and updates, and post-RoPE q and k to `rec`.
+
+    A block maps a `model.residual.Stream` to a `Stream`; `.value()` is the residual stream itself.
+    """
+    seen: dict[str, torch.Tensor] = {}
+    handles = [
+        block.register_forward_pre_hook(lambda m, args: seen.update(block_in=args[0].value())),
+        block.register_forward_hook(lambda m, args, out: rec.block(layer, seen.pop("block_in"), out.value())),
+        block.attn.rope.register_forward_hook(lambda m, args, out: rec.attention(layer, *out)),
+    ]
+    for name, placement, sublayer in (("attn", block.attn_res, block.attn), ("mlp", block.mlp_res, block.mlp)):
+
+        def after(m: nn.Module, args: tuple, out, name: str = name) -> None:
+            stream, new = seen.pop("stream"), out.value()
+            # What the sublayer adds to the stream; under post-norm the sum is renormalized, so it is f(x) itself.
+            update = new - stream if m.adds_to_stream else seen.pop("out")
+            rec.sublayer(layer, name, stream=stream, read=seen.pop("read"), update=update)
+            seen.pop("out", None)
+
+        handles += [
+            placement.register_forward_pre_hook(lambda m, args: seen.update(stream=args[0].value())),
+            placement.register_forward_hook(after),
+            sublayer.register_forward_pre_hook(lambda m, args: seen.update(read=args[0])),
+            sublayer.register_forward_hook(lambda m, args, out: seen.update(out=out)),
+        ]
+    return handles
 
 
 def grad_norms(model: torch.nn.Module, grad_of=lambda p: p.grad) -> dict[str, float]:

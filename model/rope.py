@@ -7,6 +7,7 @@ interleaved layout of the original paper pairs (2i, 2i+1); mixing the two silent
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 
 def rope_cos_sin(seq_len: int, head_dim: int, theta: float, device: torch.device | None = None,
@@ -32,3 +33,12 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     """Rotate x [B, H, T, D] by position; cos/sin are [T, D] and broadcast over batch and heads."""
     cos, sin = cos.to(x.dtype), sin.to(x.dtype)
     return x * cos + rotate_half(x) * sin
+
+
+class RoPE(nn.Module):
+    """`apply_rope` to queries and keys. A (parameter-free) module only so that a forward hook sees the q and k
+    attention really uses, after RoPE: the training-health probes read softmax statistics there."""
+
+    def forward(self, q_BHTD: torch.Tensor, k_BKTD: torch.Tensor, cos: torch.Tensor,
+                sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return apply_rope(q_BHTD, cos, sin), apply_rope(k_BKTD, cos, sin)

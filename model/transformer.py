@@ -13,6 +13,7 @@ from model.init import init_std, init_weights
 from model.layers import Embedding, Linear
 from model.loss import fused_linear_cross_entropy
 from model.norms import build_norm
+from model.residual import Stream
 from model.rope import rope_cos_sin
 
 
@@ -25,7 +26,6 @@ class Transformer(nn.Module):
         # Pre-norm leaves the stream unnormalized, so it needs a final norm before the head; post-norm doesn't.
         self.norm = build_norm(cfg) if cfg.has_final_norm else None
         self.output = None if cfg.tie_embeddings else Linear(cfg.dim, cfg.vocab_size, False, init_std(cfg, "head"))
-        self.recorder = None  # a model.probes.Recorder while metrics are being collected
         self.activation_checkpointing = False  # recompute each block in backward (set by model.optimize)
 
     def init_weights(self) -> None:
@@ -52,20 +52,15 @@ class Transformer(nn.Module):
         if start + T > self.cfg.max_seq_len:
             raise ValueError(f"sequence length {start + T} exceeds ModelConfig.max_seq_len={self.cfg.max_seq_len}")
         cos, sin = rope_cos_sin(T, self.cfg.head_dim, self.cfg.rope_theta, tokens.device, start=start)
-        x, pending = self.tok_embeddings(tokens), None
-        if self.recorder is not None:  # metrics step: plain placement math, every intermediate observed
-            for layer in self.layers:
-                x = layer.forward_observed(x, cos, sin, self.recorder)
-            self.recorder.final(x)
-            return x if self.norm is None else self.norm(x)
+        stream = Stream(self.tok_embeddings(tokens))
         for i, layer in enumerate(self.layers):
             if self.activation_checkpointing and torch.is_grad_enabled():
-                x, pending = checkpoint(layer.forward_deferred, x, pending, cos, sin, use_reentrant=False)
+                stream = checkpoint(layer, stream, cos, sin, use_reentrant=False)
             else:
-                x, pending = layer.forward_deferred(x, pending, cos, sin, cache[i] if cache else None)
-        if self.norm is not None:
-            return self.norm(x) if pending is None else self.norm(pending, residual=x)[0]
-        return x if pending is None else x + pending
+                stream = layer(stream, cos, sin, cache[i] if cache else None)
+        if self.norm is None:
+            return stream.value()
+        return stream.normalized(self.norm)[0]
 
     def forward(self, tokens: torch.Tensor, cache: list[LayerCache] | None = None,
                 targets: torch.Tensor | None = None, loss_chunk_size: int = 1024) -> torch.Tensor:

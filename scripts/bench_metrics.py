@@ -2,7 +2,7 @@
 """Cost of the training-health metrics: mean training-step time with metrics off and on, from one run.
 
 "On" means what `normlab fit` does at the default interval: every `--every` steps (and step 0) the forward runs
-with a probes.Recorder attached (plain placement math, softmax statistics on sampled query rows) and the
+with the probes' forward hooks attached (`model.probes.record`; softmax statistics on sampled query rows) and the
 per-layer gradient norms are read after backward; other steps run exactly as with metrics off. The two
 script times plain and metrics steps in back-to-back pairs and amortizes the difference over `--every` steps.
 

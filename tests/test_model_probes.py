@@ -1,4 +1,5 @@
 """Probe values checked by hand, and the probes' effect (none) on the model's output."""
+import copy
 import math
 
 import pytest
@@ -6,6 +7,9 @@ import torch
 
 from model import ModelConfig, Transformer
 from model.probes import Recorder, attention_stats, record, token_rms
+from model.residual import PLACEMENTS
+from model.rope import rope_cos_sin
+from tests.test_model_structure import FORMULAS
 
 
 def test_uniform_attention():
@@ -56,8 +60,8 @@ def test_known_residual_stream():
     assert s["resid/update_rms/attn/L0"] == pytest.approx(0.5)
 
 
-@pytest.mark.parametrize("placement", ["pre", "post", "sandwich", "output"])
-def test_probes_leave_the_output_unchanged_and_cover_every_layer(placement):
+def check_probes_cover_every_layer(placement: str) -> None:
+    """The probes leave the output unchanged, report every layer, and take their hooks away on exit."""
     torch.manual_seed(0)
     model = Transformer(ModelConfig(vocab_size=64, dim=32, n_layers=3, n_heads=4, n_kv_heads=2,
                                     placement=placement, qk_norm="head"))
@@ -65,26 +69,80 @@ def test_probes_leave_the_output_unchanged_and_cover_every_layer(placement):
     plain = model(tokens)
     with record(model) as rec:
         probed = model(tokens)
-    assert torch.allclose(plain, probed, atol=1e-6)
+    assert torch.equal(plain, probed)  # the same forward, only observed
     tags = rec.scalars()
-    for l in range(3):
+    for i in range(3):
         for stem in ("resid/rms", "resid/rms_out", "attn/max_prob", "attn/entropy", "attn/saturated_frac",
                      "attn/max_logit", "attn/max_prob_worst"):
-            assert f"{stem}/L{l}" in tags
+            assert f"{stem}/L{i}" in tags
         for sub in ("attn", "mlp"):
-            assert f"resid/update_ratio/{sub}/L{l}" in tags
-    assert model.recorder is None and all(layer.attn.probe is None for layer in model.layers)
+            for stem in ("update_ratio", "update_rms", "read_rms"):
+                assert f"resid/{stem}/{sub}/L{i}" in tags
     assert "resid/final_in" in tags
+    rec.values.clear()
+    model(tokens)
+    assert rec.values == {}, "hooks left behind after the with block"
 
 
-def test_update_ratio_matches_stream_difference_under_pre_norm():
+def residual_reference(model: Transformer, tokens: torch.Tensor) -> dict[str, float]:
+    """The residual probes from a hand-written float64 forward: each placement's plain formula (written out in
+    test_model_structure for the built-ins), sublayer by sublayer, on a float64 copy of the model. The update is
+    new stream − old stream, or under a renormalizing placement (post-norm) the sublayer's output."""
+    ref = copy.deepcopy(model).double()
+    cos, sin = rope_cos_sin(tokens.shape[1], ref.cfg.head_dim, ref.cfg.rope_theta)
+    out = {}
+    x = ref.tok_embeddings(tokens)
+    for i, layer in enumerate(ref.layers):
+        out[f"resid/rms/L{i}"] = _rms(x)
+        attn = lambda h, layer=layer: layer.attn(h, cos, sin)  # noqa: E731
+        for name, res, f in (("attn", layer.attn_res, attn), ("mlp", layer.mlp_res, layer.mlp)):
+            seen = {}
+
+            def sublayer(h, f=f, seen=seen):
+                seen["read"], seen["out"] = h, f(h)
+                return seen["out"]
+
+            formula = FORMULAS.get(ref.cfg.placement, lambda p, x, f: p.formula(x, f))
+            new = formula(res, x, sublayer)
+            update = new - x if res.adds_to_stream else seen["out"]
+            out[f"resid/update_rms/{name}/L{i}"] = _rms(update)
+            out[f"resid/update_ratio/{name}/L{i}"] = _rms(update) / _rms(x)
+            out[f"resid/read_rms/{name}/L{i}"] = _rms(seen["read"])
+            x = new
+        out[f"resid/rms_out/L{i}"] = _rms(x)
+    out["resid/final_in"] = _rms(x)
+    return out
+
+
+def _rms(x: torch.Tensor) -> float:
+    """Mean over tokens of each token's RMS, in float64."""
+    return x.double().pow(2).mean(-1).sqrt().mean().item()
+
+
+def check_residual_probes_match_float64(placement: str) -> None:
     torch.manual_seed(0)
-    model = Transformer(ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4))
+    model = Transformer(ModelConfig(vocab_size=64, dim=32, n_layers=3, n_heads=4, placement=placement,
+                                    init="normal", kernels="auto"))
+    with torch.no_grad():  # gains away from 1, so a norm's output differs from its input in RMS
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(0.3 * torch.randn_like(p))
+    tokens = torch.randint(0, 64, (2, 12))
     with record(model) as rec:
-        model(torch.randint(0, 64, (1, 8)))
-    s = rec.scalars()
-    # Under pre-norm, the stream leaving the block is the stream entering it plus both updates.
-    assert s["resid/rms_out/L0"] == pytest.approx(s["resid/rms/L1"])
+        model(tokens)
+    got, want = rec.scalars(), residual_reference(model, tokens)
+    for tag, value in want.items():
+        assert got[tag] == pytest.approx(value, rel=1e-5), tag
+
+
+@pytest.mark.parametrize("placement", sorted(PLACEMENTS))
+def test_probes_leave_the_output_unchanged_and_cover_every_layer(placement):
+    check_probes_cover_every_layer(placement)
+
+
+@pytest.mark.parametrize("placement", sorted(PLACEMENTS))
+def test_residual_probes_match_a_float64_forward(placement):
+    check_residual_probes_match_float64(placement)
 
 
 def test_pre_norm_stream_grows_with_depth_at_init():

@@ -10,11 +10,12 @@ import torch.nn.functional as F
 from model import ModelConfig, Transformer
 from model.attention import Attention
 from model.init import init_std
-from model.residual import PLACEMENTS
+from model.norms import Norm
+from model.residual import PLACEMENTS, Stream
 from model.rope import rope_cos_sin
 from tests.model_helpers import tiny_config
 
-FORMULAS = {  # the one line of math each placement must compute, written independently of residual.py
+FORMULAS = {  # the one line of math of each built-in placement, written independently of residual.py
     "pre": lambda p, x, f: x + f(p.norm_in(x)),
     "post": lambda p, x, f: p.norm_out(x + f(x)),
     "sandwich": lambda p, x, f: x + p.norm_out(f(p.norm_in(x))),
@@ -28,46 +29,56 @@ def _randomize(module: torch.nn.Module) -> None:
             p.normal_()
 
 
-@pytest.mark.parametrize("norm", ["rmsnorm", "layernorm"])
-@pytest.mark.parametrize("name", sorted(PLACEMENTS))
-def test_placement_equals_its_formula(name, norm):
-    assert set(FORMULAS) == set(PLACEMENTS), "a new placement needs its formula here"
+def check_placement(name: str, norm: str) -> None:
+    """A placement's formula is its math (built-ins); its fused `forward` on a deferred stream computes the same;
+    it owns `n_norms` norms."""
     torch.manual_seed(0)
     placement = PLACEMENTS[name](tiny_config(norm=norm, kernels="torch"))
     _randomize(placement)
+    assert sum(isinstance(m, Norm) for m in placement.modules()) == placement.n_norms
     lin = torch.nn.Linear(32, 32)
     x = torch.randn(2, 5, 32) * 4
-    assert torch.allclose(placement(x, lin), FORMULAS[name](placement, x, lin), atol=1e-6)
-
-    # The deferred form (residual add fused into the next norm) is the same computation.
+    if name in FORMULAS:
+        assert torch.allclose(placement.formula(x, lin), FORMULAS[name](placement, x, lin), atol=1e-6)
+    # The deferred form (the pending residual add fused into the next norm) is the same computation.
     pending = torch.randn(2, 5, 32)
-    stream, pend = placement.forward_deferred(x, pending, lin)
-    got = stream if pend is None else stream + pend
-    assert torch.allclose(got, placement(x + pending, lin), atol=1e-5)
+    assert torch.allclose(placement(Stream(x, pending), lin).value(), placement.formula(x + pending, lin), atol=1e-5)
+    assert torch.allclose(placement(Stream(x), lin).value(), placement.formula(x, lin), atol=1e-5)
+
+
+def check_blocks_equal_formulas(name: str) -> None:
+    """The model's blocks (one fused forward, the add deferred across blocks) equal the placements' plain
+    formulas applied sublayer by sublayer."""
+    torch.manual_seed(0)
+    model = Transformer(tiny_config(placement=name, kernels="torch"))
+    x = torch.randn(2, 8, 32)
+    cos, sin = rope_cos_sin(8, model.cfg.head_dim, model.cfg.rope_theta)
+    plain, stream = x, Stream(x)
+    for layer in model.layers:
+        plain = layer.attn_res.formula(plain, lambda h, layer=layer: layer.attn(h, cos, sin))
+        plain = layer.mlp_res.formula(plain, layer.mlp)
+        stream = layer(stream, cos, sin)
+    assert torch.allclose(plain, stream.value(), atol=1e-5), name
+
+
+@pytest.mark.parametrize("norm", ["rmsnorm", "layernorm"])
+@pytest.mark.parametrize("name", sorted(PLACEMENTS))
+def test_placement_equals_its_formula(name, norm):
+    assert set(FORMULAS) <= set(PLACEMENTS)
+    check_placement(name, norm)
+
+
+@pytest.mark.parametrize("name", sorted(PLACEMENTS))
+def test_blocks_equal_the_plain_formulas(name):
+    check_blocks_equal_formulas(name)
 
 
 def test_final_norm_is_a_property_of_the_placement():
-    assert {n: p.needs_final_norm for n, p in PLACEMENTS.items()} == {
+    assert {n: PLACEMENTS[n].needs_final_norm for n in FORMULAS} == {
         "pre": True, "post": False, "sandwich": True, "output": True}
     assert Transformer(tiny_config(placement="post")).norm is None
     assert Transformer(tiny_config(placement="post", final_norm=True)).norm is not None
     assert Transformer(tiny_config(placement="pre", final_norm=False)).norm is None
-
-
-def test_block_forward_equals_deferred_forward():
-    torch.manual_seed(0)
-    for placement in PLACEMENTS:
-        model = Transformer(tiny_config(placement=placement, kernels="torch"))
-        x = torch.randn(2, 8, 32)
-        cos, sin = rope_cos_sin(8, model.cfg.head_dim, model.cfg.rope_theta)
-        plain = x
-        for layer in model.layers:
-            plain = layer(plain, cos, sin)
-        stream, pending = x, None
-        for layer in model.layers:
-            stream, pending = layer.forward_deferred(stream, pending, cos, sin)
-        deferred = stream if pending is None else stream + pending
-        assert torch.allclose(plain, deferred, atol=1e-5), placement
 
 
 @pytest.mark.parametrize("qk_norm", ["none", "head", "full"])

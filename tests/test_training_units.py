@@ -193,11 +193,11 @@ def test_compile_and_activation_checkpointing_switches_reach_the_model():
                 activation_checkpointing=True)
     lit.configure_model()
     assert lit.model.activation_checkpointing
-    assert all(getattr(layer, "_normlab_compiled", False) for layer in lit.model.layers)
+    assert all(layer._compiled_call_impl is not None for layer in lit.model.layers)  # nn.Module.compile's mark
     plain = LitLM(vocab_size=64, dim=32, n_layers=2, n_heads=4, max_seq_len=8)
     plain.configure_model()
     assert not plain.model.activation_checkpointing
-    assert not any(getattr(layer, "_normlab_compiled", False) for layer in plain.model.layers)
+    assert not any(layer._compiled_call_impl is not None for layer in plain.model.layers)
 
 
 def test_progress_bars_count_micro_batches_toward_max_steps():

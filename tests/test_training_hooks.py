@@ -1,0 +1,46 @@
+"""A forward hook a user puts on a block fires in a real training step: the step calls the model, the model
+calls each block through `__call__` — with the training-health probes attached or not, compiled or not."""
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from lightning.pytorch import Trainer
+from lightning.pytorch.loggers import CSVLogger
+from torch.utils.data import DataLoader
+
+from training.callbacks.health import TrainingHealth
+from training.lit_module import LitLM
+
+STEPS, BATCH, SEQ = 2, 2, 8
+
+
+def _fit_with_hook(tmp_path: Path, compile: bool, probes: bool, **model: Any) -> tuple[list[tuple[int, ...]],
+                                                                                       list[dict[str, str]]]:
+    """Fit STEPS steps of a tiny LitLM (ModelConfig fields `model` on top) with a forward hook on
+    `model.layers[0]`; returns the shapes of the stream the hook saw, and the logged metrics rows."""
+    torch.manual_seed(0)
+    lit = LitLM(vocab_size=64, dim=32, n_layers=2, n_heads=4, max_seq_len=SEQ, compile=compile, **model)
+    lit.configure_model()  # builds (and, with compile, compiles) the model, so the hook can be put on a block
+    seen: list[tuple[int, ...]] = []
+    lit.model.layers[0].register_forward_hook(lambda module, args, out: seen.append(tuple(out.value().shape)))
+    tokens = torch.randint(0, 64, (STEPS * BATCH, SEQ + 1))
+    trainer = Trainer(accelerator="cpu", max_steps=STEPS, logger=CSVLogger(tmp_path), log_every_n_steps=1,
+                      callbacks=[TrainingHealth(every_n_steps=1 if probes else 0)], enable_checkpointing=False,
+                      enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path)
+    trainer.fit(lit, DataLoader(tokens, batch_size=BATCH))
+    with open(next(tmp_path.rglob("metrics.csv"))) as f:
+        return seen, list(csv.DictReader(f))
+
+
+@pytest.mark.parametrize("probes", [False, True], ids=["plain", "probes"])
+@pytest.mark.parametrize("compile", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["eager", "compiled"])
+def test_a_forward_hook_on_a_block_fires_in_every_training_step(tmp_path, compile, probes):
+    seen, rows = _fit_with_hook(tmp_path, compile, probes)
+    assert seen == [(BATCH, SEQ, 32)] * STEPS
+    # The probes, themselves hooks, ran beside the user's on the same steps (and only when asked for).
+    logged = [row["resid/update_ratio/attn/L0"] for row in rows if row.get("resid/update_ratio/attn/L0")]
+    assert len(logged) == (STEPS if probes else 0)

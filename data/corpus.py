@@ -6,7 +6,7 @@ document (its ``--text-field``). ``.txt`` files are read with universal newlines
 become LF; JSON and Parquet strings arrive exactly as stored. A Hub dataset is read through ``datasets``
 (``streaming=True`` downloads records as they are read).
 
-Files are checked before ``datasets`` sees them, so errors name the file: missing paths, empty files,
+Files are checked before they are read, so errors name the file: missing paths, empty files,
 directories without usable files, and invalid UTF-8 (with the byte offset).
 """
 
@@ -23,8 +23,6 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlparse
-
-import datasets
 
 from data.errors import DataError
 
@@ -232,6 +230,8 @@ def text_bytes_bound(sources: Sequence[SourceFile]) -> int:
 def load_hub(name: str, config: str | None, split: str, text_field: str, streaming: bool = False):
     """Load a Hugging Face Hub dataset (``streaming``: an ``IterableDataset`` that downloads records as they are
     read); without network this fails within seconds instead of retrying."""
+    import datasets  # here, not at the top: prepare's tokenizer workers import this module and need no `datasets`
+
     offline = datasets.config.HF_HUB_OFFLINE
     endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
     if not offline and not hub_reachable(endpoint, HUB_PROBE_TIMEOUT):
@@ -256,7 +256,7 @@ def load_hub(name: str, config: str | None, split: str, text_field: str, streami
 
 def hub_documents(ds, text_field: str, skip: int = 0, batch_rows: int = 1024) -> Iterator[str | None]:
     """The text of each record of a (streaming or not) Hub dataset, from record ``skip`` on."""
-    if isinstance(ds, datasets.Dataset):
+    if hasattr(ds, "__len__"):  # a downloaded `datasets.Dataset`; a streamed one has no length
         for first in range(skip, len(ds), batch_rows):
             yield from ds[first:first + batch_rows][text_field]
         return

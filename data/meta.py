@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from data.errors import DataError
+from data.tokenizer import Tokenizer, open_tokenizer
 
 FORMAT = "normlab-tokens"
 VERSION = 1
@@ -121,3 +122,14 @@ def document_lengths(directory: str | Path, split: str = "train", meta: dict[str
     meta = meta if meta is not None else read_meta(directory)
     starts = document_starts(directory, split, meta)
     return np.diff(np.append(starts, meta["splits"][split]["tokens"]))
+
+
+def load_tokenizer(path: str | Path) -> Tokenizer:
+    """Open a tokenizer file; inside a prepared directory, with the special ids its ``meta.json`` records (a
+    ``tokenizer.json``'s EOS may have been given by flag when it was prepared)."""
+    path = Path(path)
+    meta = read_meta(path.parent) if path.is_file() and (path.parent / META_FILE).is_file() else None
+    if meta is not None and meta.get("tokenizer_path") == path.name and meta.get("tokenizer_kind") == "tokenizers":
+        ids = {"eos_id": meta["eos_id"], **({"bos_id": meta["bos_id"]} if meta["bos_id"] >= 0 else {})}
+        return open_tokenizer(path, **ids)
+    return open_tokenizer(path)

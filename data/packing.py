@@ -152,12 +152,14 @@ class SplitWriter:
                     f.truncate(length)
                 self._files[name] = open(path, "ab")
 
-    def write(self, batch: list[tuple[int, str]], ids: list[list[int]]) -> None:
-        """Append one encoded batch (documents in input order)."""
+    def write(self, batch: list[tuple[int, str]], ids: list[list[int]], max_tokens: int | None = None) -> bool:
+        """Append one encoded batch (documents in input order); True once ``max_tokens`` tokens are written (the
+        document that reaches it is the last one)."""
         scores = val_scores(np.array([index for index, _ in batch]))
         out: dict[str, list[np.ndarray]] = {s: [] for s in SPLITS}
         starts: dict[str, list[int]] = {s: [] for s in SPLITS}
-        for (_, text), doc, score in zip(batch, ids, scores):
+        reached = False
+        for (index, text), doc, score in zip(batch, ids, scores):
             split = "val" if score < self.val_fraction else "train"
             counts = self.state.counts[split]
             self._track_edge(split, float(score), counts.documents)
@@ -168,11 +170,15 @@ class SplitWriter:
             counts.tokens += len(tokens)
             counts.documents += 1
             counts.bytes += len(text.encode("utf-8"))
+            self.state.next_document = index + 1
+            if max_tokens is not None and self.state.tokens >= max_tokens:
+                reached = True
+                break
         for split in SPLITS:
             if out[split]:
                 self._files[split_file(split)].write(np.concatenate(out[split]).tobytes())
                 self._files[index_file(split)].write(np.asarray(starts[split], dtype=IDX_DTYPE).tobytes())
-        self.state.next_document = batch[-1][0] + 1
+        return reached
 
     def _track_edge(self, split: str, score: float, ordinal: int) -> None:
         edge = self.state.edge[split]

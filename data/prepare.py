@@ -178,9 +178,9 @@ def _pack(
     start, saved, done_bytes = time.perf_counter(), time.perf_counter(), 0
     try:
         for batch, ids in encode_batches(batches(documents), tokenizer, spec, num_proc):
-            writer.write(batch, ids)
+            reached = writer.write(batch, ids, max_tokens)
             done_bytes += sum(len(text) for _, text in batch)
-            if max_tokens is not None and state.tokens >= max_tokens:
+            if reached:
                 logger.info("stopping at %d tokens (--max-tokens %d)", state.tokens, max_tokens)
                 break
             if time.perf_counter() - saved > PROGRESS_SECONDS:

@@ -198,11 +198,11 @@ def test_resume_continues_an_interrupted_prepare_exactly(
     written: list[int] = []
     real_write = packing.SplitWriter.write
 
-    def write(self, batch, ids):
+    def write(self, batch, ids, max_tokens=None):
         if len(written) == 3 and not resumed:
             raise KeyboardInterrupt  # killed while the 4th batch was being written
         written.append(batch[0][0])
-        real_write(self, batch, ids)
+        return real_write(self, batch, ids, max_tokens)
 
     monkeypatch.setattr(packing.SplitWriter, "write", write)
     resumed = False
@@ -406,3 +406,40 @@ def test_gathering_is_deterministic_and_deduplicated() -> None:
     assert first == second and sum(len(d.encode()) for d in first) >= 200_000
     paragraphs = [" ".join(p.lower().split()) for doc in first for p in doc.split("\n\n")]
     assert len(paragraphs) == len(set(paragraphs)) > 100
+
+
+# --- streamed Hub datasets and --max-tokens ------------------------------------------------------------------
+def _local_hub_repo(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, docs: list[str]) -> Path:
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "hf_cache")
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    (repo / "train.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    return repo
+
+
+def test_streamed_hub_dataset_equals_the_downloaded_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, prepared: Path
+) -> None:
+    repo = _local_hub_repo(tmp_path, monkeypatch, prose_documents(30))
+    kwargs = {"hf_dataset": str(repo), "tokenizer": prepared / "tokenizer.model", "val_fraction": 0.2}
+    whole = prepare(output=tmp_path / "whole", **kwargs)
+    streamed = prepare(output=tmp_path / "streamed", streaming=True, **kwargs)
+    for name in ("train.bin", "val.bin", "train.idx"):
+        assert (streamed / name).read_bytes() == (whole / name).read_bytes()
+    assert layout.read_meta(streamed)["sources"]["streaming"] is True
+    with pytest.raises(DataError, match=r"--streaming applies to --hf-dataset"):
+        prepare([repo / "train.jsonl"], output=tmp_path / "x", streaming=True)
+
+
+def test_max_tokens_stops_at_the_first_document_boundary_after_n(tmp_path: Path, prepared: Path) -> None:
+    docs = prose_documents(30)
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    sp = load_processor(prepared / "tokenizer.model")
+    lengths = np.array([len(sp.encode(d)) + 1 for d in docs])
+    limit = int(lengths[:7].sum()) - 5  # inside the 7th document
+    out = prepare([tmp_path / "d.jsonl"], output=tmp_path / "out", tokenizer=prepared / "tokenizer.model",
+                  val_fraction=0.0, max_tokens=limit)
+    assert decode_documents(out, "train") == docs[:7]
+    with pytest.raises(DataError, match=r"--max-tokens 0 must be at least 1"):
+        prepare([tmp_path / "d.jsonl"], output=tmp_path / "o2", max_tokens=0)

@@ -34,7 +34,7 @@ class Loaded:
     step: int | None  # the optimizer step the weights are from, when known
     run_dir: Path | None  # runs/<name>, when the checkpoint belongs to a run
     run_config: dict[str, Any]  # the run's resolved config.yaml ({} when unknown)
-    tokenizer_path: Path | None  # the sentencepiece model the weights were trained with, when known
+    tokenizer_path: Path | None  # the tokenizer (.model or tokenizer.json) the weights were trained with, when known
     source: str  # which format was read
 
     @property
@@ -136,8 +136,8 @@ def _load_step_dir(ckpt_dir: Path) -> Loaded:
 
 
 def _load_export_dir(path: Path) -> Loaded:
-    tokenizer = path / "tokenizer.model"
-    tokenizer = tokenizer if tokenizer.is_file() else None
+    # The original sentencepiece model when the export has one, else a Hugging Face tokenizer.json.
+    tokenizer = next((path / n for n in ("tokenizer.model", "tokenizer.json") if (path / n).is_file()), None)
     if (path / NORMLAB_EXPORT_CONFIG).is_file():
         from safetensors.torch import load_file
 

@@ -39,7 +39,9 @@ class Loaded:
 
     @property
     def data_path(self) -> Path | None:
+        """The run's data directory (of a mixture, its first source: all share one tokenizer)."""
         path = (self.run_config.get("data") or {}).get("path")
+        path = next(iter(path), None) if isinstance(path, dict) else path
         return Path(path) if path else None
 
 
@@ -94,6 +96,7 @@ def _run_context(ckpt_dir: Path) -> tuple[Path | None, dict[str, Any]]:
 
 def _tokenizer_of(run_config: dict[str, Any]) -> Path | None:
     data_path = (run_config.get("data") or {}).get("path")
+    data_path = next(iter(data_path), None) if isinstance(data_path, dict) else data_path  # a mixture's first source
     meta = Path(data_path) / "meta.json" if data_path else None
     if meta is None or not meta.is_file():
         return None

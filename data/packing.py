@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from data import rng
+from data.errors import DataError
 from data.meta import IDX_DTYPE, SPLITS, index_file, split_file
 from data.tokenizer import Tokenizer, open_tokenizer
 
@@ -147,7 +148,8 @@ class SplitWriter:
                 path = directory / name
                 path.touch()
                 if path.stat().st_size < length:
-                    raise ValueError(f"{path} is shorter than its saved progress")
+                    raise DataError(f"--resume: '{path}' is shorter than its saved progress (the disk lost writes?); "
+                                    "rerun without --resume to start over")
                 with open(path, "r+b") as f:  # drop what was written after the last saved progress
                     f.truncate(length)
                 self._files[name] = open(path, "ab")
@@ -254,7 +256,7 @@ def _split_tail(
     with open(train_path, "r+b") as f:
         f.truncate(cut * dtype.itemsize)
     # Bytes of the tail, for bits-per-byte: decode it (a character cut at the boundary counts as U+FFFD).
-    tail_bytes = len(tokenizer.decode(tail.tolist()).encode("utf-8"))
+    tail_bytes = len(tokenizer.decode(tail[:-1].tolist()).encode("utf-8"))  # without the closing EOS
     total_bytes = counts["train"].bytes
     counts["val"] = SplitCounts(tokens=len(tail), documents=1, bytes=tail_bytes)
     counts["train"] = SplitCounts(tokens=cut, documents=1, bytes=total_bytes - tail_bytes)

@@ -30,12 +30,26 @@ import numpy as np
 
 from data import meta as layout
 from data import output_dir
-from data.corpus import TEXT, hub_documents, inspect_files, load_hub, local_documents, resolve_inputs, text_bytes_bound
+from data.corpus import (
+    TEXT,
+    hub_documents,
+    inspect_files,
+    load_hub,
+    local_documents,
+    resolve_inputs,
+    text_bytes_bound,
+)
 from data.default_corpus import default_corpus_fingerprint, gather_default_corpus
 from data.errors import DataError
 from data.packing import PackState, SplitWriter, batches, encode_batches, finish_splits
 from data.tokenizer import (
-    HF_TOKENIZER_FILE, NORMALIZATION_NOTE, TOKENIZER_MODEL, TRAINER_VERSION, Tokenizer, open_tokenizer, reopen_args,
+    HF_TOKENIZER_FILE,
+    NORMALIZATION_NOTE,
+    TOKENIZER_MODEL,
+    TRAINER_VERSION,
+    Tokenizer,
+    open_tokenizer,
+    reopen_args,
     train_tokenizer,
 )
 

@@ -86,6 +86,7 @@ def staging(output: Path, resume: bool = False) -> Iterator[Path]:
         stage.chmod(0o755)
         try:
             yield stage
+            shutil.rmtree(stage, ignore_errors=True)  # already gone after a successful publish
         except BaseException:
             if (stage / PROGRESS_FILE).is_file():
                 logger.warning("prepare interrupted: its progress is kept in %s; run the same command with "

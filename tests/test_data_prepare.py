@@ -443,3 +443,45 @@ def test_max_tokens_stops_at_the_first_document_boundary_after_n(tmp_path: Path,
     assert decode_documents(out, "train") == docs[:7]
     with pytest.raises(DataError, match=r"--max-tokens 0 must be at least 1"):
         prepare([tmp_path / "d.jsonl"], output=tmp_path / "o2", max_tokens=0)
+
+
+def test_a_concurrent_prepare_builds_privately(tmp_path: Path, prepared: Path) -> None:
+    """While another process holds the output's partial directory (as another node's prepare_data would), a
+    prepare of the same output builds in a private directory and publishes; the holder's directory is untouched."""
+    from data import output_dir
+
+    (tmp_path / "a.txt").write_text("some text " * 50)
+    out = tmp_path / "out"
+    with output_dir.staging(out) as held:
+        (held / "marker").write_text("mine")
+        prepare([tmp_path / "a.txt"], output=out, tokenizer=prepared / "tokenizer.model", val_fraction=0.0)
+        assert layout.read_meta(out) is not None and (held / "marker").read_text() == "mine"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.txt", "out"]
+
+
+def test_resume_of_a_streamed_hub_dataset(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, prepared: Path) -> None:
+    repo = _local_hub_repo(tmp_path, monkeypatch, prose_documents(30))
+    kwargs = {"hf_dataset": str(repo), "tokenizer": prepared / "tokenizer.model", "val_fraction": 0.2,
+              "streaming": True}
+    monkeypatch.setattr(packing, "BATCH_DOCUMENTS", 4)
+    monkeypatch.setattr(prep, "PROGRESS_SECONDS", 0.0)
+    straight = prepare(output=tmp_path / "straight", **kwargs)
+    calls: list[int] = []
+    crash = [True]
+    real_write = packing.SplitWriter.write
+
+    def write(self, batch, ids, max_tokens=None):
+        calls.append(batch[0][0])
+        if len(calls) == 3 and crash[0]:
+            raise KeyboardInterrupt
+        return real_write(self, batch, ids, max_tokens)
+
+    monkeypatch.setattr(packing.SplitWriter, "write", write)
+    with pytest.raises(KeyboardInterrupt):
+        prepare(output=tmp_path / "out", **kwargs)
+    calls.clear()
+    crash[0] = False
+    out = prepare(output=tmp_path / "out", resume=True, **kwargs)
+    assert calls[0] == 8  # streamed records before the saved progress were skipped, not re-encoded
+    for name in ("train.bin", "val.bin", "train.idx", "val.idx"):
+        assert (out / name).read_bytes() == (straight / name).read_bytes(), name

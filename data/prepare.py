@@ -186,8 +186,8 @@ def _pack(
 ) -> None:
     """Tokenize the documents from ``state.next_document`` on and append them, saving progress now and then."""
     writer = SplitWriter(stage, dtype, tokenizer.eos_id, val_fraction, state)
-    ids = reopen_args(tokenizer)
-    spec = (str(tokenizer.path), ids.get("bos_id"), ids.get("eos_id"))
+    special = reopen_args(tokenizer)
+    spec = (str(tokenizer.path), special.get("bos_id"), special.get("eos_id"))
     documents = enumerate(source.documents(state.next_document), start=state.next_document)
     start, saved, done_bytes = time.perf_counter(), time.perf_counter(), 0
     try:

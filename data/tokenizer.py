@@ -148,10 +148,6 @@ class Tokenizer:
     def sha256(self) -> str:
         return sha256_file(self.path)
 
-    def info(self) -> TokenizerInfo:
-        return TokenizerInfo(sha256=self.sha256, vocab_size=self.vocab_size, unk_id=self.unk_id, bos_id=self.bos_id,
-                             eos_id=self.eos_id, pad_id=self.pad_id)
-
 
 class SentencePieceTokenizer(Tokenizer):
     kind = "sentencepiece"

@@ -131,10 +131,11 @@ def test_resume_with_a_mixture_is_exact(dirs: dict[str, Path], tmp_path: Path) -
 
 
 @pytest.mark.slow
-def test_per_source_and_named_validation_in_a_real_fit(dirs: dict[str, Path], tmp_path: Path) -> None:
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_per_source_and_named_validation_in_a_real_fit(dirs: dict[str, Path], tmp_path: Path, ranks: int) -> None:
     """val/<source>/loss per mixture source, val/<name>/loss|bpb per held-out set, val/loss their weighted mean;
     a held-out set that is a source's own directory gives exactly that source's loss, and its bpb is what
-    `normlab evaluate` computes for the same windows."""
+    `normlab evaluate` computes for the same windows — also with the windows shared out over 2 ranks."""
     from tests.helpers.multiproc import REPO, run_normlab
     from tests.helpers.runs import scalars
     from training.evaluate import evaluate
@@ -142,7 +143,8 @@ def test_per_source_and_named_validation_in_a_real_fit(dirs: dict[str, Path], tm
     run_normlab(["fit", "-c", str(REPO / "tests" / "helpers" / "tiny.yaml"), "--data.seq_len", str(SEQ),
                  "--data.path", f"{{{dirs['prose']}: 3, {dirs['more']}: 1}}",
                  "--data.val_sets", f"{{held: {dirs['more']}}}", "--runs_dir", str(tmp_path / "runs"),
-                 "--name", "mix", "--trainer.max_steps", "4", "--checkpoint.every_n_steps", "4"], cwd=tmp_path)
+                 "--name", "mix", "--trainer.max_steps", "4", "--checkpoint.every_n_steps", "4",
+                 *(["--trainer.devices", "2", "--trainer.strategy", "ddp"] if ranks == 2 else [])], cwd=tmp_path)
     run = tmp_path / "runs" / "mix"
     prose, more, held = (scalars(run, f"val/{n}/loss")[4] for n in ("prose", "more", "held"))
     assert held == pytest.approx(more, rel=1e-6)

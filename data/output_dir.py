@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import json
 import logging
 import os
 import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from data import meta as layout
 from data.errors import DataError
@@ -143,3 +145,26 @@ def publish(stage: Path, output: Path, fingerprint: str) -> None:
         if existing is None or existing["fingerprint"] != fingerprint:
             raise
         logger.info("%s was prepared concurrently by another process", output)
+
+
+def read_progress(stage: Path, fingerprint: str) -> dict[str, Any] | None:
+    """The saved progress of an interrupted prepare in ``stage`` (None if there is none); refuses another
+    prepare's progress."""
+    path = stage / PROGRESS_FILE
+    if not path.is_file():
+        return None
+    progress = json.loads(path.read_text(encoding="utf-8"))
+    if progress.get("fingerprint") != fingerprint:
+        raise DataError(
+            f"--resume: the interrupted prepare in '{stage}' was for other sources or settings (fingerprint "
+            f"{progress.get('fingerprint', '?')[:12]}…, now {fingerprint[:12]}…); rerun without --resume to discard it"
+        )
+    return progress
+
+
+def save_progress(stage: Path, progress: dict[str, Any]) -> None:
+    """Atomically replace ``progress.json`` (written only after the token files are flushed)."""
+    path = stage / PROGRESS_FILE
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(progress), encoding="utf-8")
+    os.replace(tmp, path)

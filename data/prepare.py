@@ -17,7 +17,6 @@ import itertools
 import json
 import logging
 import math
-import os
 import shutil
 import sys
 import time
@@ -156,7 +155,7 @@ def _build(
     max_tokens: int | None, fingerprint: str, settings: dict[str, Any],
 ) -> None:
     """Fill ``stage`` with the tokenizer, the token files and (last) ``meta.json``; continue saved progress."""
-    progress = _read_progress(stage, fingerprint)
+    progress = output_dir.read_progress(stage, fingerprint)
     if progress is None:
         name = HF_TOKENIZER_FILE if given is not None and given.kind == "tokenizers" else TOKENIZER_MODEL
         if given is not None:
@@ -164,7 +163,7 @@ def _build(
         else:
             train_tokenizer(_training_lines(source), vocab_size, stage / name, num_threads=num_proc)
         progress = {"fingerprint": fingerprint, "tokenizer": name, "pack": PackState().to_json()}
-        _save_progress(stage, progress)
+        output_dir.save_progress(stage, progress)
     path = stage / progress["tokenizer"]
     tokenizer = open_tokenizer(path, **(reopen_args(given) if given else {}))
     state = PackState.from_json(progress["pack"])
@@ -200,7 +199,7 @@ def _pack(
             if time.perf_counter() - saved > PROGRESS_SECONDS:
                 writer.flush()
                 progress["pack"] = state.to_json()
-                _save_progress(stage, progress)
+                output_dir.save_progress(stage, progress)
                 saved = time.perf_counter()
                 logger.info("%d documents, %d tokens, %.2f MB/s", state.next_document, state.tokens,
                             done_bytes / 1e6 / (saved - start))
@@ -210,27 +209,6 @@ def _pack(
 
 def _special_overrides(bos_id: int | None, eos_id: int | None) -> dict[str, int]:
     return {k: v for k, v in (("bos_id", bos_id), ("eos_id", eos_id)) if v is not None}
-
-
-def _read_progress(stage: Path, fingerprint: str) -> dict[str, Any] | None:
-    path = stage / output_dir.PROGRESS_FILE
-    if not path.is_file():
-        return None
-    progress = json.loads(path.read_text(encoding="utf-8"))
-    if progress.get("fingerprint") != fingerprint:
-        raise DataError(
-            f"--resume: the interrupted prepare in '{stage}' was for other sources or settings (fingerprint "
-            f"{progress.get('fingerprint', '?')[:12]}…, now {fingerprint[:12]}…); rerun without --resume to discard it"
-        )
-    return progress
-
-
-def _save_progress(stage: Path, progress: dict[str, Any]) -> None:
-    """Atomically replace ``progress.json`` (written only after the token files are flushed)."""
-    path = stage / output_dir.PROGRESS_FILE
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(progress), encoding="utf-8")
-    os.replace(tmp, path)
 
 
 def ensure_default_corpus(output_dir: str | Path, vocab_size: int = DEFAULT_VOCAB_SIZE) -> Path:

@@ -1,18 +1,18 @@
 """Inputs: local files, directories and globs, a Hugging Face dataset, or the default corpus.
 
-Everything is read through Hugging Face ``datasets`` and returned as a ``Dataset`` with one string column,
-``text``, one row per document: a ``.txt`` file is one document; each record of a ``.jsonl``/``.json``/
-``.parquet`` file is one document (its ``--text-field``). ``datasets`` reads ``.txt`` files with universal
-newlines, so their CR LF and lone CR become LF; JSON and Parquet strings arrive exactly as stored.
+Documents are read as a stream, file by file and record batch by record batch, so memory does not grow with
+the corpus: a ``.txt`` file is one document; each record of a ``.jsonl``/``.json``/``.parquet`` file is one
+document (its ``--text-field``). ``.txt`` files are read with universal newlines, so their CR LF and lone CR
+become LF; JSON and Parquet strings arrive exactly as stored. A Hub dataset is read through ``datasets``
+(``streaming=True`` downloads records as they are read).
 
-Files are checked before ``datasets`` sees them, so errors name the file: missing paths, empty files,
+Files are checked before they are read, so errors name the file: missing paths, empty files,
 directories without usable files, and invalid UTF-8 (with the byte offset).
 """
 
 from __future__ import annotations
 
 import codecs
-import contextlib
 import glob
 import hashlib
 import json
@@ -23,8 +23,6 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlparse
-
-import datasets
 
 from data.errors import DataError
 
@@ -140,86 +138,100 @@ def _first_bad_byte(decoder: codecs.IncrementalDecoder, chunk: bytes, position: 
     return None
 
 
-def load_files(sources: Sequence[SourceFile], text_field: str, work_dir: Path) -> datasets.Dataset:
-    """Load local files into one ``text`` column, grouped by format (text, then json, then parquet)."""
-    parts = []
-    for fmt in ("text", "json", "parquet"):
-        paths = [_readable_copy(s, work_dir) for s in sources if s.format == fmt]
-        if paths:
-            parts.append(_load_format(fmt, paths, text_field, work_dir / "hf_cache"))
-    return parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
+def file_documents(source: SourceFile, text_field: str, encoding_errors: str = "strict") -> Iterator[str | None]:
+    """The documents of one input file, read as a stream (a JSON-lines or Parquet file never whole).
 
-
-def _readable_copy(source: SourceFile, work_dir: Path) -> str:
-    """The file itself, or (with --encoding-errors replace) a repaired UTF-8 copy in the work directory.
-
-    A copy, rather than the loaders' own ``encoding_errors``, because the JSON loader ignores that option
-    for UTF-8 input and pyarrow would then reject the bytes.
+    A ``.txt`` file is one document (read with universal newlines); each record of a ``.jsonl``/``.json``/
+    ``.parquet`` file is one document, its ``text_field`` (None where a record lacks it).
     """
-    if source.bad_utf8_offset is None:
-        return str(source.path)
-    repaired = work_dir / "repaired" / f"{source.sha256[:16]}{source.path.suffix}"
-    repaired.parent.mkdir(parents=True, exist_ok=True)
-    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-    with open(source.path, "rb") as src, open(repaired, "w", encoding="utf-8") as dst:
-        while chunk := src.read(_CHUNK):
-            dst.write(decoder.decode(chunk))
-        dst.write(decoder.decode(b"", final=True))
-    return str(repaired)
+    errors = "replace" if source.bad_utf8_offset is not None and encoding_errors == "replace" else "strict"
+    if source.format == "text":
+        with open(source.path, encoding="utf-8", errors=errors) as f:
+            yield f.read()
+    elif source.format == "json":
+        yield from _json_documents(source.path, text_field, errors)
+    else:
+        yield from _parquet_documents(source.path, text_field)
 
 
-def _load_format(fmt: str, paths: list[str], text_field: str, cache_dir: Path) -> datasets.Dataset:
-    options = {"sample_by": "document"} if fmt == "text" else {}
+def _json_documents(path: Path, text_field: str, errors: str) -> Iterator[str | None]:
+    with open(path, encoding="utf-8", errors=errors) as f:
+        head = f.read(1 << 16).lstrip()
+        f.seek(0)
+        if head.startswith("["):  # one JSON array of records: there is no way to stream it, read it whole
+            try:
+                records = json.load(f)
+            except json.JSONDecodeError as e:
+                raise DataError(f"could not read json input '{path}': {e}") from e
+            lines: Iterator[tuple[int, object]] = enumerate(records, 1)
+        else:
+            lines = ((n, _json_line(line, path, n)) for n, line in enumerate(f, 1) if line.strip())
+        for n, record in lines:
+            yield _record_text(record, text_field, path, n)
+
+
+def _json_line(line: str, path: Path, n: int) -> object:
     try:
-        with _no_download_counter():
-            ds = datasets.load_dataset(fmt, data_files=paths, split="train", cache_dir=str(cache_dir), **options)
-    except Exception as e:  # datasets/pyarrow raise many types; the file list is what the user needs
-        raise DataError(f"could not read {fmt} input(s) {_preview(paths)}: {e}") from e
-    return _text_column(ds, text_field if fmt != "text" else TEXT, f"{fmt} input(s) {_preview(paths)}")
+        return json.loads(line)
+    except json.JSONDecodeError as e:
+        raise DataError(f"could not read json input '{path}': line {n} is not valid JSON ({e})") from e
 
 
-def _text_column(ds: datasets.Dataset, text_field: str, what: str) -> datasets.Dataset:
-    if text_field not in ds.column_names:
+def _record_text(record: object, text_field: str, path: Path, n: int) -> str | None:
+    if not isinstance(record, dict):
+        raise DataError(f"json input '{path}': record {n} is not an object")
+    value = record.get(text_field)
+    if value is None and n == 1 and text_field not in record:
         raise DataError(
-            f"{what} have no field {text_field!r} (fields: {', '.join(ds.column_names)}); "
+            f"json input(s) '{path}' have no field {text_field!r} (fields: {', '.join(record)}); "
             "pass --text-field with the name of the text field"
         )
-    dtype = ds.features[text_field]
-    if getattr(dtype, "dtype", None) not in ("string", "large_string"):
-        raise DataError(f"field {text_field!r} of {what} holds {dtype}, not text; pass --text-field")
-    ds = ds.select_columns([text_field])
-    return ds.rename_column(text_field, TEXT) if text_field != TEXT else ds
+    if value is not None and not isinstance(value, str):
+        raise DataError(f"field {text_field!r} of json input '{path}' (record {n}) holds "
+                        f"{type(value).__name__}, not text; pass --text-field")
+    return value
 
 
-def _preview(paths: Sequence[str]) -> str:
-    shown = ", ".join(f"'{p}'" for p in paths[:3])
-    return shown + (f" and {len(paths) - 3} more" if len(paths) > 3 else "")
+def _parquet_documents(path: Path, text_field: str, batch_rows: int = 1024) -> Iterator[str | None]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
 
-
-@contextlib.contextmanager
-def _no_download_counter() -> Iterator[None]:
-    # `load_dataset` on local files pings a download counter on S3 (3 s timeout) unless this is off; local
-    # data should never touch the network.
-    saved = datasets.config.HF_UPDATE_DOWNLOAD_COUNTS
-    datasets.config.HF_UPDATE_DOWNLOAD_COUNTS = False
     try:
-        yield
-    finally:
-        datasets.config.HF_UPDATE_DOWNLOAD_COUNTS = saved
+        reader = pq.ParquetFile(path)
+    except (pa.ArrowException, OSError) as e:
+        raise DataError(f"could not read parquet input '{path}': {e}") from e
+    schema = reader.schema_arrow
+    if text_field not in schema.names:
+        raise DataError(
+            f"parquet input(s) '{path}' have no field {text_field!r} (fields: {', '.join(schema.names)}); "
+            "pass --text-field with the name of the text field"
+        )
+    kind = schema.field(text_field).type
+    if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
+        raise DataError(f"field {text_field!r} of parquet input '{path}' holds {kind}, not text; pass --text-field")
+    for batch in reader.iter_batches(batch_size=batch_rows, columns=[text_field]):
+        yield from batch.column(0).to_pylist()
 
 
-def load_documents(documents: Sequence[str], work_dir: Path) -> datasets.Dataset:
-    """Load in-memory documents (the default corpus) through the same JSON path as user files."""
-    path = work_dir / "documents.jsonl"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w", encoding="utf-8") as f:
-        for doc in documents:
-            f.write(json.dumps({TEXT: doc}, ensure_ascii=False) + "\n")
-    return _load_format("json", [str(path)], TEXT, work_dir / "hf_cache")
+def local_documents(sources: Sequence[SourceFile], text_field: str, encoding_errors: str) -> Iterator[str | None]:
+    """Every document of the local inputs: text files first, then json records, then parquet records (the order
+    normlab has always used, so prepared tokens stay the same)."""
+    for fmt in ("text", "json", "parquet"):
+        for source in sources:
+            if source.format == fmt:
+                yield from file_documents(source, text_field, encoding_errors)
 
 
-def load_hub(name: str, config: str | None, split: str, text_field: str) -> datasets.Dataset:
-    """Load a Hugging Face Hub dataset; without network this fails within seconds instead of retrying."""
+def text_bytes_bound(sources: Sequence[SourceFile]) -> int:
+    """An upper bound of the text bytes in the local inputs (their sizes), known without reading them."""
+    return sum(s.size for s in sources)
+
+
+def load_hub(name: str, config: str | None, split: str, text_field: str, streaming: bool = False):
+    """Load a Hugging Face Hub dataset (``streaming``: an ``IterableDataset`` that downloads records as they are
+    read); without network this fails within seconds instead of retrying."""
+    import datasets  # here, not at the top: prepare's tokenizer workers import this module and need no `datasets`
+
     offline = datasets.config.HF_HUB_OFFLINE
     endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
     if not offline and not hub_reachable(endpoint, HUB_PROBE_TIMEOUT):
@@ -229,11 +241,31 @@ def load_hub(name: str, config: str | None, split: str, text_field: str) -> data
             "is network, or pass local files with --input"
         )
     try:
-        ds = datasets.load_dataset(name, config, split=split)
+        ds = datasets.load_dataset(name, config, split=split, streaming=streaming)
+        columns = ds.column_names if not streaming else list((ds.features or {}) or next(iter(ds), {}))
     except Exception as e:  # offline misses, unknown names, bad configs or splits all land here
         where = "in the local cache (offline mode)" if offline else "on the Hub"
         raise DataError(f"could not load --hf-dataset {name!r} (config {config}, split {split!r}) {where}: {e}") from e
-    return _text_column(ds, text_field, f"records of {name!r}")
+    if text_field not in columns:
+        raise DataError(
+            f"records of {name!r} have no field {text_field!r} (fields: {', '.join(columns)}); "
+            "pass --text-field with the name of the text field"
+        )
+    return ds.select_columns([text_field])
+
+
+def hub_documents(ds, text_field: str, skip: int = 0, batch_rows: int = 1024) -> Iterator[str | None]:
+    """The text of each record of a (streaming or not) Hub dataset, from record ``skip`` on."""
+    if hasattr(ds, "__len__"):  # a downloaded `datasets.Dataset`; a streamed one has no length
+        for first in range(skip, len(ds), batch_rows):
+            yield from ds[first:first + batch_rows][text_field]
+        return
+    for record in ds.skip(skip) if skip else ds:
+        value = record.get(text_field)
+        if value is not None and not isinstance(value, str):
+            raise DataError(f"field {text_field!r} of the --hf-dataset records holds {type(value).__name__}, not "
+                            "text; pass --text-field")
+        yield value
 
 
 def hub_reachable(endpoint: str, timeout: float) -> bool:

@@ -7,6 +7,12 @@ builds the loaders, so a resume starts at global sample ``tokens_seen // seq_len
 ``data.dataset``) — also on another world size, batch size or accumulation. The train loader is endless (an
 ``IterableDataset`` without a length): training ends at ``max_steps``, and position never depends on epoch
 boundaries, so configure validation with an integer ``val_check_interval`` and ``check_val_every_n_epoch=None``.
+
+``path`` may also be a weighted mixture of prepared directories, ``{dir: weight, ...}`` (all prepared with one
+tokenizer), sampled by ``data.mixture``; and ``val_sets`` names further held-out directories. Validation then
+has one loader per set (``val_sets_order``): each source of a mixture and each named set is logged as
+``val/<name>/loss`` and ``val/<name>/bpb``; ``val/loss`` stays the loss of the data's own validation split (for
+a mixture: the weighted mean over its sources' validation splits).
 """
 
 from __future__ import annotations
@@ -22,8 +28,17 @@ from torch.utils.data import DataLoader
 from data import meta as layout
 from data.dataset import TrainBatches, ValBatches, check_enough_tokens
 from data.errors import DataError
+from data.mixture import MixtureBatches
 from data.prepare import DEFAULT_OUTPUT, ensure_default_corpus
 from data.tokenizer import sha256_file
+
+
+class ValSet:
+    """One validation loader: ``name`` ("" for the main set), its directory, and its weight in ``val/loss``
+    (0 for a named held-out set)."""
+
+    def __init__(self, name: str, path: Path, weight: float) -> None:
+        self.name, self.path, self.weight = name, path, weight
 
 logger = logging.getLogger(__name__)
 
@@ -32,18 +47,22 @@ class TokenDataModule(L.LightningDataModule):
     """Batches are LongTensors [batch_size, seq_len + 1]; the LightningModule splits inputs and targets.
 
     Args:
-        path: a directory made by ``normlab prepare``. The default path is built on first use (default corpus).
+        path: a directory made by ``normlab prepare`` (the default path is built on first use: default corpus),
+            or a mixture ``{directory: weight, ...}`` of directories prepared with the same tokenizer.
         seq_len: tokens the model sees per sample (each batch row holds seq_len + 1).
         batch_size: micro-batch size per rank.
         seed: selects the order of training windows (validation windows do not depend on it).
         num_workers: DataLoader worker processes.
         val_batches: size of the fixed validation set, in batches, shared out across ranks.
-        tokenizer: optional ``.model`` file the data must have been prepared with (checked by sha256).
+        tokenizer: optional tokenizer file the data must have been prepared with (checked by sha256).
+        val_sets: named held-out directories ``{name: directory}`` (prepared with the same tokenizer), whose
+            validation splits are evaluated beside the main one as ``val/<name>/loss`` and ``val/<name>/bpb``.
     """
 
     def __init__(
-        self, path: str = DEFAULT_OUTPUT, seq_len: int = 256, batch_size: int = 8, seed: int = 1234,
-        num_workers: int = 0, val_batches: int = 16, tokenizer: str | None = None,
+        self, path: str | dict[str, float] = DEFAULT_OUTPUT, seq_len: int = 256, batch_size: int = 8,
+        seed: int = 1234, num_workers: int = 0, val_batches: int = 16, tokenizer: str | None = None,
+        val_sets: dict[str, str] | None = None,
     ) -> None:
         super().__init__()
         for name, value, low in (("seq_len", seq_len, 1), ("batch_size", batch_size, 1),
@@ -51,9 +70,12 @@ class TokenDataModule(L.LightningDataModule):
             if value < low:
                 raise DataError(f"data {name} must be at least {low}, got {value}")
         self.save_hyperparameters()
-        self.path, self.seq_len, self.batch_size, self.seed = Path(path), seq_len, batch_size, seed
+        self.sources = _mixture(path)  # [(name, directory, weight)]; one source with weight 1 for a plain path
+        self.val_sets = _named_sets(val_sets, self.sources)
+        self.path, self.seq_len, self.batch_size, self.seed = self.sources[0][1], seq_len, batch_size, seed
         self.num_workers, self.val_batches, self.tokenizer = num_workers, val_batches, tokenizer
         self._meta: dict[str, Any] | None = None
+        self._metas: dict[Path, dict[str, Any]] = {}  # of the other directories (mixture sources, val sets)
         self._restart = (0, 0)  # (global_step, tokens_seen) when this run started: from the checkpoint on resume
 
     # --- what the rest of normlab reads -------------------------------------------------------------------
@@ -129,42 +151,93 @@ class TokenDataModule(L.LightningDataModule):
 
     def setup(self, stage: str | None = None) -> None:
         self._meta = None  # re-read: prepare_data may have just built the directory
-        damage = layout.problems(self.path, self.meta)
-        if damage:
-            raise DataError(
-                f"'{self.path}' is damaged ({'; '.join(damage)}); rebuild it with `normlab prepare --overwrite`"
-            )
+        self._metas = {}
+        for name, path, _ in self.sources:
+            self._check_directory(path, train=True)
+        for name, path in self.val_sets.items():
+            self._check_directory(path, train=False, role=f"data.val_sets.{name}")
         self._check_tokenizer()
-        check_enough_tokens(self.meta["splits"]["train"]["tokens"], self.seq_len, f"the train split of '{self.path}'")
-        if self.val_batches and self._val_tokens():
-            check_enough_tokens(self._val_tokens(), self.seq_len, f"the validation split of '{self.path}'")
+
+    def _check_directory(self, path: Path, train: bool, role: str = "data.path") -> None:
+        meta = self._meta_of(path, role)
+        damage = layout.problems(path, meta)
+        if damage:
+            raise DataError(f"'{path}' is damaged ({'; '.join(damage)}); rebuild it with `normlab prepare --overwrite`")
+        if meta["tokenizer_sha256"] != self.meta["tokenizer_sha256"]:
+            raise DataError(
+                f"{role} '{path}' was prepared with another tokenizer (sha256 {meta['tokenizer_sha256'][:12]}…) than "
+                f"'{self.path}' (sha256 {self.meta['tokenizer_sha256'][:12]}…); prepare it again with `normlab prepare "
+                f"--tokenizer {self.tokenizer_path}`"
+            )
+        if train:
+            check_enough_tokens(meta["splits"]["train"]["tokens"], self.seq_len, f"the train split of '{path}'")
+        split = "val" if train else held_out_split(meta)
+        tokens = int(meta["splits"][split]["tokens"])
+        if (self.val_batches and tokens) or not train:
+            check_enough_tokens(tokens, self.seq_len, f"the {split} split of '{path}'")
+
+    def _meta_of(self, path: Path, role: str) -> dict[str, Any]:
+        if path == self.path:
+            return self.meta
+        if path not in self._metas:
+            found = layout.read_meta(path) if path.is_dir() else None
+            if found is None:
+                raise DataError(f"{role}: no prepared data at '{path}' (no {layout.META_FILE}); run `normlab prepare "
+                                f"--tokenizer {self.tokenizer_path} --input <text> --output {path}` first")
+            self._metas[path] = found
+        return self._metas[path]
+
+    @property
+    def val_sets_order(self) -> list[ValSet]:
+        """The validation loaders in order: the main set(s) first, then the named held-out sets."""
+        if len(self.sources) == 1:
+            main = [ValSet("", self.path, 1.0)] if self._val_tokens() else []
+        else:
+            with_val = [(n, p, w) for n, p, w in self.sources if self._meta_of(p, "data.path")["splits"]["val"]["tokens"]]
+            total = sum(w for _, _, w in with_val)
+            main = [ValSet(n, p, w / total) for n, p, w in with_val]
+        return main + [ValSet(name, path, 0.0) for name, path in self.val_sets.items()]
 
     def train_dataloader(self) -> DataLoader:
         rank, world_size = self._position()
         tokens_seen = self.tokens_seen()
         start = tokens_seen // self.seq_len
         split = self.meta["splits"]["train"]
-        dataset = TrainBatches(
-            self.path / split["file"], self.meta["dtype"], split["tokens"], seq_len=self.seq_len,
-            batch_size=self.batch_size, seed=self.seed, start_sample=start, rank=rank, world_size=world_size,
-        )
+        position = {"seq_len": self.seq_len, "batch_size": self.batch_size, "seed": self.seed, "start_sample": start,
+                    "rank": rank, "world_size": world_size}
+        if len(self.sources) == 1:
+            dataset = TrainBatches(self.path / split["file"], self.meta["dtype"], split["tokens"], **position)
+        else:
+            files = []
+            for _, path, _ in self.sources:
+                meta = self._meta_of(path, "data.path")
+                files.append((path / meta["splits"]["train"]["file"], meta["dtype"], meta["splits"]["train"]["tokens"]))
+            dataset = MixtureBatches(files, [w for _, _, w in self.sources], **position)
         logger.info("train data: rank %d/%d starts after %d samples (%d tokens seen)", rank, world_size, start,
                     tokens_seen)
         return self._loader(dataset)
 
     def val_dataloader(self) -> DataLoader | list:
-        if not self.val_batches or not self._val_tokens():
+        sets = self.val_sets_order
+        if not self.val_batches or not sets:
             return []  # Lightning reads an empty list as "no validation"
         rank, world_size = self._position()
         if self.val_batches % world_size:
             logger.warning("val_batches %d is not a multiple of world size %d: some batches are evaluated twice",
                            self.val_batches, world_size)
-        split = self.meta["splits"]["val"]
-        dataset = ValBatches(
-            self.path / split["file"], self.meta["dtype"], split["tokens"], seq_len=self.seq_len,
-            batch_size=self.batch_size, val_batches=self.val_batches, rank=rank, world_size=world_size,
-        )
-        return self._loader(dataset)
+        loaders = []
+        for val_set in sets:
+            meta = self._meta_of(val_set.path, "data.val_sets")
+            split = meta["splits"]["val" if val_set.weight else held_out_split(meta)]
+            loaders.append(self._loader(ValBatches(
+                val_set.path / split["file"], meta["dtype"], split["tokens"], seq_len=self.seq_len,
+                batch_size=self.batch_size, val_batches=self.val_batches, rank=rank, world_size=world_size,
+            )))
+        return loaders[0] if len(loaders) == 1 else loaders
+
+    def piece_bytes(self) -> torch.Tensor:
+        """UTF-8 bytes of each token id (for bits per byte), int64 [vocab_size]."""
+        return torch.from_numpy(layout.load_tokenizer(self.tokenizer_path).piece_bytes())
 
     def test_dataloader(self) -> DataLoader | list:
         """`normlab test` evaluates the held-out split (prepared data has train and val splits only)."""
@@ -191,7 +264,7 @@ class TokenDataModule(L.LightningDataModule):
         found = layout.read_meta(self.path) if self.path.is_dir() else None
         return found is not None and not layout.problems(self.path, found)
 
-    def _check_tokenizer(self) -> None:
+    def _check_tokenizer(self) -> None:  # the given tokenizer against the primary directory
         expected = self.meta["tokenizer_sha256"]
         if sha256_file(self.tokenizer_path) != expected:
             raise DataError(f"'{self.tokenizer_path}' does not match the sha256 in meta.json; rebuild '{self.path}'")
@@ -203,3 +276,37 @@ class TokenDataModule(L.LightningDataModule):
                 f"'{self.tokenizer}' ({sha256_file(self.tokenizer)[:12]}…); re-run `normlab prepare --tokenizer "
                 f"{self.tokenizer} --overwrite` or drop the tokenizer setting"
             )
+
+
+def held_out_split(meta: dict[str, Any]) -> str:
+    """The split a named held-out directory is evaluated on: its val split, or its train split when it has no
+    val split (a directory prepared with --val-fraction 0 to be a held-out set as a whole)."""
+    return "val" if meta["splits"]["val"]["tokens"] else "train"
+
+
+def _mixture(path: str | Path | dict[str, float]) -> list[tuple[str, Path, float]]:
+    """``data.path`` as (source name, directory, weight): a directory, or a ``{directory: weight}`` mixture."""
+    if not isinstance(path, dict):
+        return [("", Path(path), 1.0)]
+    if not path:
+        raise DataError("data.path is an empty mixture; give {directory: weight, ...}")
+    sources = []
+    for directory, weight in path.items():
+        if not isinstance(weight, (int, float)) or not weight > 0:
+            raise DataError(f"data.path mixture: the weight of '{directory}' must be a positive number, got {weight!r}")
+        sources.append((Path(directory).name, Path(directory), float(weight)))
+    names = [n for n, _, _ in sources]
+    if len(set(names)) < len(names):  # two sources named alike: tell them apart by position
+        sources = [(f"{n}_{i}", p, w) for i, (n, p, w) in enumerate(sources)]
+    return sources
+
+
+def _named_sets(val_sets: dict[str, str] | None, sources: list[tuple[str, Path, float]]) -> dict[str, Path]:
+    taken = {n for n, _, _ in sources if n}
+    out = {}
+    for name, directory in (val_sets or {}).items():
+        if not name or "/" in name or name in taken:
+            raise DataError(f"data.val_sets name {name!r} must be non-empty, without '/', and differ from the mixture's "
+                            f"source names ({', '.join(sorted(taken)) or 'none'})")
+        out[name] = Path(directory)
+    return out

@@ -6,11 +6,13 @@ A prepared directory is self-contained::
     tokenizer.model    the sentencepiece model the tokens were made with (sha256 in meta.json)
     train.bin          flat token ids of the train split, documents separated by EOS (dtype in meta.json)
     val.bin            the same for the validation split
+    train.idx, val.idx where each document starts in the split's tokens (int64 offsets, one per document)
 
 ``meta.json`` fields: ``format``, ``version``, ``fingerprint`` (hash of sources and settings), ``sources``,
 ``settings``, ``tokenizer_path``, ``tokenizer_sha256``, ``vocab_size``, ``dtype``, ``bos_id``, ``eos_id``,
-``pad_id``, ``unk_id``, and ``splits.{train,val}.{file,tokens,documents,bytes}`` where ``bytes`` counts the
-UTF-8 bytes of the split's text (for bits-per-byte).
+``pad_id``, ``unk_id``, and ``splits.{train,val}.{file,index,tokens,documents,bytes}`` where ``bytes`` counts
+the UTF-8 bytes of the split's text (for bits-per-byte). ``tokenizer_path`` is ``tokenizer.model``
+(sentencepiece) or ``tokenizer.json`` (Hugging Face ``tokenizers``), ``tokenizer_kind`` says which.
 """
 
 from __future__ import annotations
@@ -22,12 +24,14 @@ from typing import Any
 import numpy as np
 
 from data.errors import DataError
+from data.tokenizer import Tokenizer, open_tokenizer
 
 FORMAT = "normlab-tokens"
 VERSION = 1
 META_FILE = "meta.json"
 TOKENIZER_FILE = "tokenizer.model"
 SPLITS = ("train", "val")
+IDX_DTYPE = np.dtype(np.int64)
 # The largest vocabulary whose ids all fit in uint16, as the issue specifies.
 UINT16_MAX_VOCAB = 65_535
 
@@ -39,6 +43,10 @@ def token_dtype(vocab_size: int) -> np.dtype:
 
 def split_file(split: str) -> str:
     return f"{split}.bin"
+
+
+def index_file(split: str) -> str:
+    return f"{split}.idx"
 
 
 def write_meta(directory: Path, meta: dict[str, Any]) -> None:
@@ -73,6 +81,11 @@ def problems(directory: str | Path, meta: dict[str, Any]) -> list[str]:
         if not path.is_file() or path.stat().st_size != expected:
             size = path.stat().st_size if path.is_file() else "missing"
             found.append(f"{path} should hold {expected} bytes ({split}), found {size}")
+        index = info.get("index")
+        if index is not None and not (directory / index).is_file():
+            found.append(f"{directory / index} is missing ({split})")
+        elif index is not None and (directory / index).stat().st_size != info["documents"] * IDX_DTYPE.itemsize:
+            found.append(f"{directory / index} should hold {info['documents']} document starts ({split})")
     if not (directory / meta["tokenizer_path"]).is_file():
         found.append(f"{directory / meta['tokenizer_path']} is missing")
     return found
@@ -84,3 +97,39 @@ def open_tokens(directory: str | Path, meta: dict[str, Any], split: str) -> np.n
     if info["tokens"] == 0:
         return np.zeros(0, dtype=meta["dtype"])
     return np.memmap(Path(directory) / info["file"], dtype=meta["dtype"], mode="r", shape=(info["tokens"],))
+
+
+def document_starts(directory: str | Path, split: str = "train", meta: dict[str, Any] | None = None) -> np.ndarray:
+    """Where each document of ``split`` starts, as int64 token offsets into its token file (ascending; document
+    ``i`` spans ``[starts[i], starts[i + 1])``, the last one runs to the end; each ends with EOS).
+
+    Read from ``<split>.idx``; directories prepared before the index existed are recovered from the EOS
+    positions (one pass over the tokens).
+    """
+    meta = meta if meta is not None else read_meta(directory)
+    if meta is None:
+        raise DataError(f"no prepared data at '{directory}' (no {META_FILE})")
+    info = meta["splits"][split]
+    if info.get("index"):
+        return np.fromfile(Path(directory) / info["index"], dtype=IDX_DTYPE)
+    tokens = open_tokens(directory, meta, split)
+    ends = np.flatnonzero(tokens == meta["eos_id"])
+    return np.concatenate([[0], ends[:-1] + 1]).astype(IDX_DTYPE) if len(ends) else np.zeros(0, dtype=IDX_DTYPE)
+
+
+def document_lengths(directory: str | Path, split: str = "train", meta: dict[str, Any] | None = None) -> np.ndarray:
+    """Tokens of each document of ``split``, its EOS included (see :func:`document_starts`)."""
+    meta = meta if meta is not None else read_meta(directory)
+    starts = document_starts(directory, split, meta)
+    return np.diff(np.append(starts, meta["splits"][split]["tokens"]))
+
+
+def load_tokenizer(path: str | Path) -> Tokenizer:
+    """Open a tokenizer file; inside a prepared directory, with the special ids its ``meta.json`` records (a
+    ``tokenizer.json``'s EOS may have been given by flag when it was prepared)."""
+    path = Path(path)
+    meta = read_meta(path.parent) if path.is_file() and (path.parent / META_FILE).is_file() else None
+    if meta is not None and meta.get("tokenizer_path") == path.name and meta.get("tokenizer_kind") == "tokenizers":
+        ids = {"eos_id": meta["eos_id"], **({"bos_id": meta["bos_id"]} if meta["bos_id"] >= 0 else {})}
+        return open_tokenizer(path, **ids)
+    return open_tokenizer(path)

@@ -1,4 +1,5 @@
-"""The sentencepiece tokenizer: train one, or check and describe an existing ``.model`` file.
+"""Tokenizers: train a sentencepiece model, or open an existing one (sentencepiece ``.model`` or a Hugging Face
+``tokenizer.json``) behind one small interface, :class:`Tokenizer`.
 
 Training settings follow Llama's tokenizer where it matters for round trips: BPE with byte fallback (any UTF-8
 text encodes, nothing maps to <unk>), identity normalization and no whitespace collapsing, so
@@ -12,10 +13,11 @@ import hashlib
 import io
 import logging
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import sentencepiece as spm
 
 from data.errors import DataError
@@ -40,6 +42,7 @@ TRAINER_OPTIONS = {
     "minloglevel": 2,
     **SPECIAL_IDS,
 }
+TOKENIZER_MODEL = "tokenizer.model"
 NORMALIZATION_NOTE = "exact round trip, except U+2581 ('▁') decodes as a space"
 
 
@@ -107,3 +110,200 @@ def describe_tokenizer(path: str | Path) -> TokenizerInfo:
         sha256=sha256_file(path), vocab_size=sp.get_piece_size(), unk_id=sp.unk_id(), bos_id=sp.bos_id(),
         eos_id=sp.eos_id(), pad_id=pad_id,
     )
+
+
+# --- one interface over sentencepiece and Hugging Face `tokenizers` ---------------------------------------------
+HF_TOKENIZER_FILE = "tokenizer.json"
+# Names of the end-of-document token in common Hugging Face tokenizers (GPT-2/OLMo, Llama 3, Gemma, T5/Llama 2),
+# tried in this order when tokenizer_config.json does not name one and no id is given.
+EOS_CANDIDATES = ("<|endoftext|>", "<|end_of_text|>", "<eos>", "</s>", "<|im_end|>")
+BOS_CANDIDATES = ("<|begin_of_text|>", "<bos>", "<s>", "<|startoftext|>")
+
+
+class Tokenizer:
+    """What normlab needs from a tokenizer: batched encoding, decoding, special ids, per-id byte lengths.
+
+    ``encode_batch`` adds no special tokens; normlab appends EOS after each document itself.
+    """
+
+    kind: str
+    path: Path  # the file the tokenizer was read from (hashed into meta.json)
+    vocab_size: int
+    bos_id: int  # -1 when the tokenizer has none
+    eos_id: int
+    pad_id: int
+    unk_id: int
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        raise NotImplementedError
+
+    def decode(self, ids: Sequence[int]) -> str:
+        raise NotImplementedError
+
+    def piece_bytes(self) -> np.ndarray:
+        """UTF-8 bytes each id stands for, int64 [vocab_size] (special/control ids 0), for bits per byte."""
+        raise NotImplementedError
+
+    @property
+    def sha256(self) -> str:
+        return sha256_file(self.path)
+
+
+class SentencePieceTokenizer(Tokenizer):
+    kind = "sentencepiece"
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self._sp = load_processor(self.path)
+        info = describe_tokenizer(self.path)
+        self.vocab_size, self.bos_id, self.eos_id = info.vocab_size, info.bos_id, info.eos_id
+        self.pad_id, self.unk_id = info.pad_id, info.unk_id
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        # One thread: parallelism comes from prepare's worker processes.
+        return self._sp.encode(list(texts), num_threads=1)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self._sp.decode([int(i) for i in ids])
+
+    def piece_bytes(self) -> np.ndarray:
+        sp, out = self._sp, np.zeros(self.vocab_size, dtype=np.int64)
+        for i in range(sp.get_piece_size()):
+            if sp.is_byte(i):
+                out[i] = 1
+            elif not (sp.is_control(i) or sp.is_unknown(i)):
+                out[i] = len(sp.id_to_piece(i).replace("\u2581", " ").encode("utf-8"))
+        return out
+
+
+class HFTokenizer(Tokenizer):
+    """A Hugging Face ``tokenizer.json`` read with the ``tokenizers`` library (GPT-2, Llama 3, OLMo 2, ...)."""
+
+    kind = "tokenizers"
+
+    def __init__(self, path: str | Path, bos_id: int | None = None, eos_id: int | None = None) -> None:
+        from tokenizers import Tokenizer as _Tok
+
+        self.path = Path(path)
+        try:
+            self._tok = _Tok.from_file(str(self.path))
+        except Exception as e:  # tokenizers raises a bare Exception on a malformed file
+            raise DataError(f"tokenizer file '{self.path}' is not a Hugging Face tokenizer.json: {e}") from e
+        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        named = _config_tokens(self.path.parent)
+        self.eos_id = self._special(eos_id, named.get("eos_token"), EOS_CANDIDATES, "EOS", "--eos-id")
+        self.bos_id = self._special(bos_id, named.get("bos_token"), BOS_CANDIDATES, "BOS", None)
+        pad = self._tok.token_to_id(named["pad_token"]) if named.get("pad_token") else None
+        self.pad_id = pad if pad is not None else self.eos_id
+        unk = self._tok.token_to_id(named["unk_token"]) if named.get("unk_token") else None
+        self.unk_id = unk if unk is not None else -1
+
+    def _special(self, given: int | None, named: str | None, candidates: tuple[str, ...], what: str,
+                 flag: str | None) -> int:
+        if given is not None:
+            if not 0 <= given < self.vocab_size:
+                raise DataError(f"{what} id {given} is outside the vocabulary of '{self.path}' (size {self.vocab_size})")
+            return given
+        for token in ((named,) if named else ()) + candidates:
+            found = self._tok.token_to_id(token)
+            if found is not None:
+                return found
+        if flag is None:
+            return -1
+        raise DataError(
+            f"tokenizer '{self.path}' has no recognizable end-of-document token (tried {', '.join(candidates)} and "
+            f"tokenizer_config.json's eos_token); pass its id with {flag}"
+        )
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        return [e.ids for e in self._tok.encode_batch(list(texts), add_special_tokens=False)]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
+
+    def piece_bytes(self) -> np.ndarray:
+        from tokenizers import decoders
+
+        out = np.zeros(self.vocab_size, dtype=np.int64)
+        special = {t.content for t in self._tok.get_added_tokens_decoder().values() if t.special}
+        byte_level = isinstance(self._tok.decoder, decoders.ByteLevel)
+        unicode_to_byte = {c: b for b, c in _bytes_to_unicode().items()}
+        for i in range(self.vocab_size):
+            token = self._tok.id_to_token(i)
+            if token is None or token in special:
+                continue
+            if byte_level:  # GPT-2's byte-to-character table: one character per byte
+                out[i] = sum(1 if c in unicode_to_byte else len(c.encode("utf-8")) for c in token)
+            elif re.fullmatch(r"<0x[0-9A-Fa-f]{2}>", token):  # byte fallback piece
+                out[i] = 1
+            else:
+                out[i] = len(token.replace("\u2581", " ").removeprefix("##").encode("utf-8"))
+        return out
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable character table (as in its ``encoder.py``)."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs, n = bs[:], 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, map(chr, cs)))
+
+
+def _config_tokens(directory: Path) -> dict[str, str]:
+    """Special token strings named in a ``tokenizer_config.json`` beside the tokenizer (if any)."""
+    import json
+
+    config = directory / "tokenizer_config.json"
+    if not config.is_file():
+        return {}
+    try:
+        raw = json.loads(config.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return {}
+    out = {}
+    for key in ("bos_token", "eos_token", "pad_token", "unk_token"):
+        value = raw.get(key)
+        value = value.get("content") if isinstance(value, dict) else value
+        if isinstance(value, str):
+            out[key] = value
+    return out
+
+
+def tokenizer_file(path: str | Path) -> Path:
+    """The file a ``--tokenizer`` argument names: a ``.model``, a ``tokenizer.json``, or a directory holding one."""
+    path = Path(path)
+    if path.is_dir():
+        for name in (HF_TOKENIZER_FILE, TOKENIZER_MODEL):
+            if (path / name).is_file():
+                return path / name
+        raise DataError(f"tokenizer directory '{path}' holds neither {HF_TOKENIZER_FILE} nor {TOKENIZER_MODEL}")
+    if not path.is_file():
+        raise DataError(
+            f"tokenizer file '{path}' does not exist; pass a sentencepiece .model, a Hugging Face tokenizer.json, "
+            "or a directory holding one"
+        )
+    return path
+
+
+def open_tokenizer(path: str | Path, bos_id: int | None = None, eos_id: int | None = None) -> Tokenizer:
+    """Open a sentencepiece ``.model`` or a Hugging Face ``tokenizer.json`` (or a directory holding one)."""
+    path = tokenizer_file(path)
+    if path.suffix == ".json":
+        return HFTokenizer(path, bos_id=bos_id, eos_id=eos_id)
+    if bos_id is not None or eos_id is not None:
+        raise DataError(f"--bos-id/--eos-id apply to Hugging Face tokenizers; '{path}' is a sentencepiece model "
+                        "whose ids are read from it")
+    return SentencePieceTokenizer(path)
+
+
+def reopen_args(tokenizer: Tokenizer) -> dict[str, int]:
+    """The special ids to pass to :func:`open_tokenizer` to reopen ``tokenizer`` as it is (a copied
+    ``tokenizer.json`` loses the ``tokenizer_config.json`` or flags its ids came from; sentencepiece models
+    carry their own)."""
+    if tokenizer.kind != "tokenizers":
+        return {}
+    return {"eos_id": tokenizer.eos_id, **({"bos_id": tokenizer.bos_id} if tokenizer.bos_id >= 0 else {})}

@@ -70,16 +70,32 @@ def test_dtype_switch_at_65535() -> None:
 
 
 def test_uint32_tokens_survive_packing(tmp_path: Path) -> None:
-    ids = [[70_000, 65_535, 2], [131_071, 2]]
-    tokens = datasets.Dataset.from_dict({packing.IDS: ids})
-    splits, _ = packing.write_splits(tokens, np.array([5, 5]), 0.0, tmp_path, np.dtype("uint32"), tmp_path / "unused")
+    writer = packing.SplitWriter(tmp_path, np.dtype("uint32"), 2, 0.0, packing.PackState())
+    writer.write([(0, "abcde"), (1, "fghij")], [[70_000, 65_535], [131_071]])
+    writer.close()
     assert np.fromfile(tmp_path / "train.bin", dtype=np.uint32).tolist() == [70_000, 65_535, 2, 131_071, 2]
-    assert splits["train"]["tokens"] == 5 and splits["val"]["documents"] == 0
+    assert np.fromfile(tmp_path / "train.idx", dtype=np.int64).tolist() == [0, 3]
+    assert writer.state.counts["train"].tokens == 5 and writer.state.counts["val"].documents == 0
 
 
-def test_document_bytes_respects_row_selection() -> None:
-    ds = datasets.Dataset.from_dict({"text": ["a", "bcé", "", None]}).select([1, 0, 3, 2])
-    assert packing.document_bytes(ds).tolist() == [4, 1, 0, 0]
+def test_document_starts_match_each_documents_own_tokens(tmp_path: Path, prepared: Path) -> None:
+    """train.idx/val.idx against the documents' own token counts (tokenizer.encode + EOS), both splits."""
+    docs = prose_documents(30)
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    out = prepare([tmp_path / "d.jsonl"], output=tmp_path / "out", tokenizer=prepared / "tokenizer.model",
+                  val_fraction=0.3)
+    sp = load_processor(out / "tokenizer.model")
+    val = set(decode_documents(out, "val"))
+    meta = layout.read_meta(out)
+    for split, chosen in (("train", [d for d in docs if d not in val]), ("val", [d for d in docs if d in val])):
+        expected = [len(sp.encode(d)) + 1 for d in chosen]
+        assert layout.document_lengths(out, split).tolist() == expected and expected
+        starts = layout.document_starts(out, split)
+        assert starts.tolist() == np.concatenate([[0], np.cumsum(expected)[:-1]]).tolist()
+        assert meta["splits"][split]["index"] == f"{split}.idx"
+    # A directory prepared before the index existed: recovered from the EOS positions, the same.
+    del meta["splits"]["train"]["index"]
+    assert layout.document_starts(out, "train", meta).tolist() == layout.document_starts(out, "train").tolist()
 
 
 def test_val_split_by_documents_is_deterministic(corpus_dir: tuple[Path, list[str]], tmp_path: Path) -> None:
@@ -89,8 +105,8 @@ def test_val_split_by_documents_is_deterministic(corpus_dir: tuple[Path, list[st
     assert meta["settings"]["val_split"] == "documents"
     assert sorted(train + val) == sorted(corpus_dir[1]) and val and train
     assert meta["splits"]["val"]["bytes"] == sum(len(d.encode()) for d in val)
-    mask = packing.val_mask(np.ones(1000, dtype=np.int64), 0.2)
-    assert 150 < mask.sum() < 250 and np.array_equal(mask, packing.val_mask(np.ones(1000, dtype=np.int64), 0.2))
+    scores = packing.val_scores(np.arange(1000))
+    assert 150 < (scores < 0.2).sum() < 250 and np.array_equal(scores, packing.val_scores(np.arange(1000)))
 
 
 def test_single_document_splits_at_the_tail(tmp_path: Path) -> None:
@@ -155,19 +171,65 @@ def test_never_deletes_a_foreign_directory(tmp_path: Path, prepared: Path) -> No
     assert (tmp_path / "precious" / "thesis.tex").exists()
 
 
-def test_interrupted_prepare_leaves_nothing_valid(
-    prepared: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_interrupted_prepare_leaves_nothing_valid(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     (tmp_path / "a.txt").write_text("some text " * 50)
     out = tmp_path / "out"
 
     def crash(*args, **kwargs):
-        raise KeyboardInterrupt  # as if the user pressed Ctrl-C while the token files were being written
+        raise KeyboardInterrupt  # as if the user pressed Ctrl-C while the tokenizer was being trained
 
-    monkeypatch.setattr(prep, "write_splits", crash)
+    monkeypatch.setattr(prep, "train_tokenizer", crash)
     with pytest.raises(KeyboardInterrupt):
-        prepare([tmp_path / "a.txt"], output=out, tokenizer=prepared / "tokenizer.model")
+        prepare([tmp_path / "a.txt"], output=out, vocab_size=VOCAB)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.txt"]  # no output, no temporary directory
+
+
+def test_resume_continues_an_interrupted_prepare_exactly(
+    prepared: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Killed after 3 batches, resumed: the same bytes as a straight run, and the first batches not re-encoded."""
+    docs = prose_documents(40)
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    kwargs = {"tokenizer": prepared / "tokenizer.model", "val_fraction": 0.2}
+    monkeypatch.setattr(packing, "BATCH_DOCUMENTS", 4)
+    monkeypatch.setattr(prep, "PROGRESS_SECONDS", 0.0)  # save progress after every batch
+    straight = prepare([tmp_path / "d.jsonl"], output=tmp_path / "straight", **kwargs)
+
+    written: list[int] = []
+    real_write = packing.SplitWriter.write
+
+    def write(self, batch, ids, max_tokens=None):
+        if len(written) == 3 and not resumed:
+            raise KeyboardInterrupt  # killed while the 4th batch was being written
+        written.append(batch[0][0])
+        return real_write(self, batch, ids, max_tokens)
+
+    monkeypatch.setattr(packing.SplitWriter, "write", write)
+    resumed = False
+    out = tmp_path / "out"
+    with pytest.raises(KeyboardInterrupt):
+        prepare([tmp_path / "d.jsonl"], output=out, **kwargs)
+    partial = tmp_path / ".out.partial"
+    assert not out.exists() and (partial / "progress.json").is_file() and not (partial / "meta.json").exists()
+    (partial / "train.bin").open("ab").write(b"\x01\x02")  # bytes written after the last saved progress
+    resumed, written = True, []
+    prepare([tmp_path / "d.jsonl"], output=out, resume=True, **kwargs)
+    assert written[0] == 12  # the first 3 batches of 4 documents were not encoded again
+    for name in ("train.bin", "val.bin", "train.idx", "val.idx"):
+        assert (out / name).read_bytes() == (straight / name).read_bytes(), name
+    assert layout.read_meta(out)["splits"] == layout.read_meta(straight)["splits"]
+    assert not partial.exists() and not (out / "progress.json").exists()
+
+
+def test_without_resume_a_leftover_partial_is_discarded(tmp_path: Path, prepared: Path) -> None:
+    (tmp_path / "a.txt").write_text("some text " * 50)
+    partial = tmp_path / ".out.partial"
+    partial.mkdir()
+    (partial / "progress.json").write_text('{"fingerprint": "other"}')
+    with pytest.raises(DataError, match=r"--resume: the interrupted prepare in '.*\.out\.partial' was for other"):
+        prepare([tmp_path / "a.txt"], output=tmp_path / "out", tokenizer=prepared / "tokenizer.model", resume=True)
+    out = prepare([tmp_path / "a.txt"], output=tmp_path / "out", tokenizer=prepared / "tokenizer.model")
+    assert layout.read_meta(out) is not None and not partial.exists()
 
 
 def test_encoding_errors(tmp_path: Path, prepared: Path) -> None:
@@ -344,3 +406,82 @@ def test_gathering_is_deterministic_and_deduplicated() -> None:
     assert first == second and sum(len(d.encode()) for d in first) >= 200_000
     paragraphs = [" ".join(p.lower().split()) for doc in first for p in doc.split("\n\n")]
     assert len(paragraphs) == len(set(paragraphs)) > 100
+
+
+# --- streamed Hub datasets and --max-tokens ------------------------------------------------------------------
+def _local_hub_repo(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, docs: list[str]) -> Path:
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "hf_cache")
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    (repo / "train.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    return repo
+
+
+def test_streamed_hub_dataset_equals_the_downloaded_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, prepared: Path
+) -> None:
+    repo = _local_hub_repo(tmp_path, monkeypatch, prose_documents(30))
+    kwargs = {"hf_dataset": str(repo), "tokenizer": prepared / "tokenizer.model", "val_fraction": 0.2}
+    whole = prepare(output=tmp_path / "whole", **kwargs)
+    streamed = prepare(output=tmp_path / "streamed", streaming=True, **kwargs)
+    for name in ("train.bin", "val.bin", "train.idx"):
+        assert (streamed / name).read_bytes() == (whole / name).read_bytes()
+    assert layout.read_meta(streamed)["sources"]["streaming"] is True
+    with pytest.raises(DataError, match=r"--streaming applies to --hf-dataset"):
+        prepare([repo / "train.jsonl"], output=tmp_path / "x", streaming=True)
+
+
+def test_max_tokens_stops_at_the_first_document_boundary_after_n(tmp_path: Path, prepared: Path) -> None:
+    docs = prose_documents(30)
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    sp = load_processor(prepared / "tokenizer.model")
+    lengths = np.array([len(sp.encode(d)) + 1 for d in docs])
+    limit = int(lengths[:7].sum()) - 5  # inside the 7th document
+    out = prepare([tmp_path / "d.jsonl"], output=tmp_path / "out", tokenizer=prepared / "tokenizer.model",
+                  val_fraction=0.0, max_tokens=limit)
+    assert decode_documents(out, "train") == docs[:7]
+    with pytest.raises(DataError, match=r"--max-tokens 0 must be at least 1"):
+        prepare([tmp_path / "d.jsonl"], output=tmp_path / "o2", max_tokens=0)
+
+
+def test_a_concurrent_prepare_builds_privately(tmp_path: Path, prepared: Path) -> None:
+    """While another process holds the output's partial directory (as another node's prepare_data would), a
+    prepare of the same output builds in a private directory and publishes; the holder's directory is untouched."""
+    from data import output_dir
+
+    (tmp_path / "a.txt").write_text("some text " * 50)
+    out = tmp_path / "out"
+    with output_dir.staging(out) as held:
+        (held / "marker").write_text("mine")
+        prepare([tmp_path / "a.txt"], output=out, tokenizer=prepared / "tokenizer.model", val_fraction=0.0)
+        assert layout.read_meta(out) is not None and (held / "marker").read_text() == "mine"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.txt", "out"]
+
+
+def test_resume_of_a_streamed_hub_dataset(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, prepared: Path) -> None:
+    repo = _local_hub_repo(tmp_path, monkeypatch, prose_documents(30))
+    kwargs = {"hf_dataset": str(repo), "tokenizer": prepared / "tokenizer.model", "val_fraction": 0.2,
+              "streaming": True}
+    monkeypatch.setattr(packing, "BATCH_DOCUMENTS", 4)
+    monkeypatch.setattr(prep, "PROGRESS_SECONDS", 0.0)
+    straight = prepare(output=tmp_path / "straight", **kwargs)
+    calls: list[int] = []
+    crash = [True]
+    real_write = packing.SplitWriter.write
+
+    def write(self, batch, ids, max_tokens=None):
+        calls.append(batch[0][0])
+        if len(calls) == 3 and crash[0]:
+            raise KeyboardInterrupt
+        return real_write(self, batch, ids, max_tokens)
+
+    monkeypatch.setattr(packing.SplitWriter, "write", write)
+    with pytest.raises(KeyboardInterrupt):
+        prepare(output=tmp_path / "out", **kwargs)
+    calls.clear()
+    crash[0] = False
+    out = prepare(output=tmp_path / "out", resume=True, **kwargs)
+    assert calls[0] == 8  # streamed records before the saved progress were skipped, not re-encoded
+    for name in ("train.bin", "val.bin", "train.idx", "val.idx"):
+        assert (out / name).read_bytes() == (straight / name).read_bytes(), name

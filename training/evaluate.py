@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from data.dataset import gather, val_starts
-from data.meta import open_tokens, read_meta
+from data.meta import load_tokenizer, open_tokens, read_meta
 from data.tokenizer import sha256_file
 from training.checkpoint import write_text_atomic
 from training.loading import CheckpointError, load_checkpoint
@@ -29,16 +29,10 @@ log = logging.getLogger(__name__)
 
 
 def piece_bytes(tokenizer_path: Path, vocab_size: int) -> np.ndarray:
-    """UTF-8 bytes each token id stands for (byte-fallback pieces 1, control pieces such as EOS 0)."""
-    import sentencepiece as spm
-
-    sp = spm.SentencePieceProcessor(model_file=str(tokenizer_path))
+    """UTF-8 bytes each token id stands for (byte pieces 1, special/control pieces such as EOS 0)."""
     out = np.zeros(vocab_size, dtype=np.int64)
-    for i in range(sp.get_piece_size()):
-        if sp.is_byte(i):
-            out[i] = 1
-        elif not (sp.is_control(i) or sp.is_unknown(i)):
-            out[i] = len(sp.id_to_piece(i).replace("\u2581", " ").encode("utf-8"))
+    per_id = load_tokenizer(tokenizer_path).piece_bytes()[:vocab_size]
+    out[:len(per_id)] = per_id
     return out
 
 

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from data.meta import load_tokenizer
 from model.hf_compat import hf_family, to_hf
 from training.loading import NORMLAB_EXPORT_CONFIG, CheckpointError, Loaded, load_checkpoint
 
@@ -25,6 +26,8 @@ SPECIAL_IDS = ("unk", "bos", "eos", "pad")
 
 
 def _special_tokens(tokenizer_path: Path) -> dict[str, tuple[str, int]]:
+    if tokenizer_path.suffix == ".json":
+        return _hf_special_tokens(tokenizer_path)
     import sentencepiece as spm
 
     sp = spm.SentencePieceProcessor(model_file=str(tokenizer_path))
@@ -32,8 +35,19 @@ def _special_tokens(tokenizer_path: Path) -> dict[str, tuple[str, int]]:
     return {k: (sp.id_to_piece(i), i) for k, i in ids.items() if i >= 0}
 
 
+def _hf_special_tokens(tokenizer_path: Path) -> dict[str, tuple[str, int]]:
+    """The special tokens of a `tokenizer.json` as normlab used them (ids from the prepared meta.json)."""
+    from tokenizers import Tokenizer
+
+    tok = load_tokenizer(tokenizer_path)
+    raw = Tokenizer.from_file(str(tokenizer_path))
+    ids = {"unk": tok.unk_id, "bos": tok.bos_id, "eos": tok.eos_id, "pad": tok.pad_id}
+    return {k: (raw.id_to_token(i), i) for k, i in ids.items() if i >= 0}
+
+
 def write_hf_tokenizer(tokenizer_path: Path, out: Path) -> None:
-    """A `tokenizers` BPE equivalent of the sentencepiece model (same ids for any text), saved for AutoTokenizer.
+    """The tokenizer for `AutoTokenizer`: a Hugging Face `tokenizer.json` as it is (with its special tokens
+    named), or a `tokenizers` BPE equivalent of the sentencepiece model (same ids for any text), saved for AutoTokenizer.
 
     Built directly rather than through transformers' Llama converter, which prepends "▁" to every text —
     normlab's tokenizer is trained without that dummy prefix, so the converter would change the ids.
@@ -41,6 +55,11 @@ def write_hf_tokenizer(tokenizer_path: Path, out: Path) -> None:
     from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers
     from transformers import PreTrainedTokenizerFast
     from transformers.convert_slow_tokenizer import SentencePieceExtractor
+
+    if tokenizer_path.suffix == ".json":
+        specials = {f"{k}_token": piece for k, (piece, _) in _special_tokens(tokenizer_path).items()}
+        PreTrainedTokenizerFast(tokenizer_file=str(tokenizer_path), **specials).save_pretrained(str(out))
+        return
 
     extracted = SentencePieceExtractor(str(tokenizer_path)).extract(models.BPE)
     tok = Tokenizer(models.BPE(vocab=extracted["vocab"], merges=extracted["merges"], unk_token="<unk>",
@@ -76,7 +95,7 @@ def _write_safetensors(loaded: Loaded, out: Path, dtype: torch.dtype) -> None:
     meta = {"format_version": 1, "step": loaded.step, "model": loaded.model.cfg.to_dict()}
     (out / NORMLAB_EXPORT_CONFIG).write_text(json.dumps(meta, indent=2) + "\n")
     if loaded.tokenizer_path:
-        shutil.copyfile(loaded.tokenizer_path, out / "tokenizer.model")
+        shutil.copyfile(loaded.tokenizer_path, out / loaded.tokenizer_path.name)
 
 
 def export(checkpoint: str | Path, output: str | Path, dtype: str = "float32", fmt: str = "hf",

@@ -118,13 +118,22 @@ class LitLM(LightningModule):
         self.log("loss", loss, prog_bar=True, logger=False)  # short name for the progress bar
         return loss
 
-    # Validation/test: an exact mean over all batches of all ranks (sum and count, reduced once), so
-    # val/ppl is exactly exp(val/loss).
+    # Validation/test: an exact mean over all batches of all ranks (sums and counts, reduced once), so
+    # val/ppl is exactly exp(val/loss). One row per validation loader: the datamodule's `val_sets_order`
+    # names them (mixture sources, named held-out sets); "" is the data's own validation split.
     def on_validation_epoch_start(self) -> None:
-        self._eval_sums = torch.zeros(2, dtype=torch.float64, device=self.device)
+        self._val_sets = list(getattr(self.trainer.datamodule, "val_sets_order", None) or [None])
+        named = any(v is not None and v.name for v in self._val_sets)
+        self._piece_bytes = self.trainer.datamodule.piece_bytes().to(self.device) if named else None
+        # per loader: loss sum, batches, target tokens, target bytes
+        self._eval_sums = torch.zeros(len(self._val_sets), 4, dtype=torch.float64, device=self.device)
 
-    def validation_step(self, batch: Tensor, batch_idx: int) -> None:
-        self._eval_sums += torch.stack([self.loss(batch).double(), self._eval_sums.new_ones(())])
+    def validation_step(self, batch: Tensor, batch_idx: int, dataloader_idx: int = 0) -> None:
+        targets = batch[:, 1:]
+        nbytes = self._piece_bytes[targets].sum() if self._piece_bytes is not None else targets.new_zeros(())
+        row = torch.stack([self.loss(batch).double(), self._eval_sums.new_ones(()),
+                           self._eval_sums.new_tensor(float(targets.numel())), nbytes.double()])
+        self._eval_sums[dataloader_idx] += row
 
     def on_validation_epoch_end(self) -> None:
         self._log_eval("val")
@@ -136,16 +145,25 @@ class LitLM(LightningModule):
         self._log_eval("test")
 
     def _log_eval(self, split: str) -> None:
-        total, count = self.trainer.strategy.reduce(self._eval_sums, reduce_op="sum").tolist()
-        loss = total / max(count, 1)
+        sums = self.trainer.strategy.reduce(self._eval_sums, reduce_op="sum").tolist()
         # TensorBoard step = updates done: train/loss at s is the loss of update s, val/loss at s is measured
         # on the weights after s updates — those of checkpoint step-s. (Lightning's default, the 0-based batch
         # index, is one less; it would also put a checkpoint's validation on the far side of a resume purge.)
         # The values are already identical on every rank; sync_dist only keeps Lightning from warning.
         if self.trainer.state.fn == "fit":  # (validate/test do not restore global_step: Lightning's default)
             self.log("step", float(self.global_step), sync_dist=True)
-        self.log(f"{split}/loss", loss, sync_dist=True)
-        self.log(f"{split}/ppl", math.exp(loss) if loss < 700 else math.inf, sync_dist=True)  # exp overflows >709
+        losses = [total / max(count, 1) for total, count, _, _ in sums]
+        # val/loss: the data's own validation split (a mixture: its sources' losses, weighted as the mixture)
+        main = [(v.weight if v is not None else 1.0, loss) for v, loss in zip(self._val_sets, losses)
+                if v is None or v.weight > 0]
+        if main:  # (none when the data has no validation split of its own, only named held-out sets)
+            loss = sum(w * x for w, x in main) / sum(w for w, _ in main)
+            self.log(f"{split}/loss", loss, sync_dist=True)
+            self.log(f"{split}/ppl", math.exp(loss) if loss < 700 else math.inf, sync_dist=True)  # exp overflows >709
+        for val_set, x, (_, _, tokens, nbytes) in zip(self._val_sets, losses, sums):
+            if val_set is not None and val_set.name:
+                self.log(f"{split}/{val_set.name}/loss", x, sync_dist=True)
+                self.log(f"{split}/{val_set.name}/bpb", x / math.log(2) * tokens / max(nbytes, 1), sync_dist=True)
 
     def configure_optimizers(self) -> dict[str, Any]:
         optimizer, schedule = build_optimizer(self.model, self.optim, self.trainer.estimated_stepping_batches)

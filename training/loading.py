@@ -34,12 +34,14 @@ class Loaded:
     step: int | None  # the optimizer step the weights are from, when known
     run_dir: Path | None  # runs/<name>, when the checkpoint belongs to a run
     run_config: dict[str, Any]  # the run's resolved config.yaml ({} when unknown)
-    tokenizer_path: Path | None  # the sentencepiece model the weights were trained with, when known
+    tokenizer_path: Path | None  # the tokenizer (.model or tokenizer.json) the weights were trained with, when known
     source: str  # which format was read
 
     @property
     def data_path(self) -> Path | None:
+        """The run's data directory (of a mixture, its first source: all share one tokenizer)."""
         path = (self.run_config.get("data") or {}).get("path")
+        path = next(iter(path), None) if isinstance(path, dict) else path
         return Path(path) if path else None
 
 
@@ -94,6 +96,7 @@ def _run_context(ckpt_dir: Path) -> tuple[Path | None, dict[str, Any]]:
 
 def _tokenizer_of(run_config: dict[str, Any]) -> Path | None:
     data_path = (run_config.get("data") or {}).get("path")
+    data_path = next(iter(data_path), None) if isinstance(data_path, dict) else data_path  # a mixture's first source
     meta = Path(data_path) / "meta.json" if data_path else None
     if meta is None or not meta.is_file():
         return None
@@ -136,8 +139,8 @@ def _load_step_dir(ckpt_dir: Path) -> Loaded:
 
 
 def _load_export_dir(path: Path) -> Loaded:
-    tokenizer = path / "tokenizer.model"
-    tokenizer = tokenizer if tokenizer.is_file() else None
+    # The original sentencepiece model when the export has one, else a Hugging Face tokenizer.json.
+    tokenizer = next((path / n for n in ("tokenizer.model", "tokenizer.json") if (path / n).is_file()), None)
     if (path / NORMLAB_EXPORT_CONFIG).is_file():
         from safetensors.torch import load_file
 

@@ -26,15 +26,15 @@ def main(argv: list[str] | None = None) -> int:
         loaded = load_checkpoint(args.checkpoint, device=device)
         if loaded.tokenizer_path is None or not loaded.tokenizer_path.is_file():
             raise CheckpointError(f"no tokenizer found for '{args.checkpoint}' (its run's data directory or an "
-                                  "exported tokenizer.model)")
+                                  "exported tokenizer.model / tokenizer.json)")
     except CheckpointError as err:
         print(f"normlab generate: error: {err}", file=sys.stderr)
         return 2
-    import sentencepiece as spm
+    from data.meta import load_tokenizer
 
-    sp = spm.SentencePieceProcessor(model_file=str(loaded.tokenizer_path))
-    ids = sp.encode(args.prompt)
-    prompt = torch.tensor([ids or [sp.bos_id()]], device=device)
+    tok = load_tokenizer(loaded.tokenizer_path)
+    ids = tok.encode_batch([args.prompt])[0]
+    prompt = torch.tensor([ids or [tok.bos_id if tok.bos_id >= 0 else tok.eos_id]], device=device)
     room = loaded.model.cfg.max_seq_len - prompt.shape[1]
     if room <= 0:
         print(f"normlab generate: error: the prompt is {prompt.shape[1]} tokens, the model's max_seq_len is "
@@ -42,9 +42,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     g = torch.Generator(device=device).manual_seed(args.seed)
     out = generate(loaded.model, prompt, min(args.max_new_tokens, room), temperature=args.temperature,
-                   top_k=args.top_k, top_p=args.top_p, eos_id=sp.eos_id(), generator=g)
-    new = [t for t in out[0, prompt.shape[1]:].tolist() if t != sp.eos_id()]
-    print(args.prompt + sp.decode(new))
+                   top_k=args.top_k, top_p=args.top_p, eos_id=tok.eos_id, generator=g)
+    new = [t for t in out[0, prompt.shape[1]:].tolist() if t != tok.eos_id]
+    print(args.prompt + tok.decode(new))
     return 0
 
 

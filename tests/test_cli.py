@@ -2,14 +2,13 @@
 from __future__ import annotations
 
 import importlib
-import json
+import re
 import subprocess
 
 import pytest
 import yaml
 
 from model import ModelConfig
-from training import checkpoint
 from training.cli import COMMANDS, main
 from training.lit_module import RUNTIME_ARGS
 from tests.helpers.multiproc import REPO
@@ -97,16 +96,9 @@ def test_unknown_yaml_key_is_a_clear_error(tmp_path, capsys, yaml_text, key):
 
 
 def test_bad_model_value_fails_before_training(tmp_path, capsys):
-    with pytest.raises(ValueError, match=r"placement='middle'.*\['pre', 'post'"):
-        main(["fit", "--model.placement", "middle", "--runs_dir", str(tmp_path)])
-
-
-def test_fresh_fit_refuses_a_run_with_checkpoints(tmp_path):
-    ckpt = checkpoint.checkpoints_dir(tmp_path / "taken") / checkpoint.step_dirname(10)
-    ckpt.mkdir(parents=True)
-    (ckpt / checkpoint.MANIFEST).write_text(json.dumps({"step": 10, "format": "lightning"}))
-    with pytest.raises(FileExistsError, match="--ckpt_path last"):
-        main(["fit", "--runs_dir", str(tmp_path), "--name", "taken"])
+    code, _, err = run(["fit", "--model.placement", "middle", "--runs_dir", str(tmp_path)], capsys)
+    assert code == 2 and not any(tmp_path.iterdir())
+    assert re.search(r"normlab fit: error: .*placement='middle'.*\['pre', 'post'", err), err
 
 
 @pytest.mark.parametrize("command", sorted(COMMANDS))

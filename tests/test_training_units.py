@@ -121,9 +121,9 @@ def test_checkpoint_naming_and_last(tmp_path):
     lightning = _fake_ckpt(tmp_path / "other", 7, fmt="lightning")
     assert checkpoint.resolve(str(lightning), tmp_path) == (str(lightning / checkpoint.LIGHTNING_FILE), 7)
     assert checkpoint.resolve(None, tmp_path) == (None, None)
-    with pytest.raises(FileNotFoundError):
+    with pytest.raises(checkpoint.CheckpointError, match="no such checkpoint"):
         checkpoint.resolve(str(tmp_path / "missing"), tmp_path)
-    with pytest.raises(FileExistsError, match="--ckpt_path last"):
+    with pytest.raises(checkpoint.CheckpointError, match="--ckpt_path last"):
         resume.check_fresh_run(tmp_path)
     resume.check_fresh_run(tmp_path / "new-run")
 

@@ -15,15 +15,18 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.loggers import TensorBoardLogger
 
 from data.datamodule import TokenDataModule
+from data.prepare import DEFAULT_OUTPUT
 from training import checkpoint, resume
 from training.callbacks import NonFiniteGuard, RNGState, StepCheckpoint, Throughput, TrainingHealth
 from training.callbacks.progress import step_counting
+from training.errors import UserError, is_user_error
 from training.lit_module import LitLM
 from training.optim import OptimConfig
 from training.strategy import default_precision, is_deepspeed  # also registers --trainer.strategy zeroN
@@ -68,7 +71,10 @@ class NormlabCLI(LightningCLI):
             seed_everything_default=SEED,
             save_config_kwargs={"overwrite": True},  # runs/<name>/config.yaml: rewritten on resume
             auto_configure_optimizers=False,  # LitLM.configure_optimizers builds groups + schedule
-            parser_kwargs={"prog": "normlab", "description": "Train and evaluate normlab language models."},
+            # exit_on_error=False: a parse error is raised (argparse.ArgumentError) and `normlab` prints it as one
+            # line (training/errors.py) instead of jsonargparse's usage text.
+            parser_kwargs={"prog": "normlab", "description": "Train and evaluate normlab language models.",
+                           "exit_on_error": False},
             args=args,
         )
 
@@ -99,6 +105,17 @@ class NormlabCLI(LightningCLI):
         if config.trainer.precision is None:
             config.trainer.precision = default_precision(config.trainer.accelerator)
 
+    def instantiate_classes(self) -> None:
+        # A value refused by a constructor (ModelConfig, OptimConfig, the datamodule, a callback, the Trainer) is
+        # bad input: report it as such (one line, see training/errors.py), not as a crash.
+        try:
+            super().instantiate_classes()
+        except (ValueError, MisconfigurationException) as err:
+            if is_user_error(err):
+                raise
+            raise UserError(f"{err} (fix it on the command line or in the -c config file; `normlab "
+                            f"{self.subcommand} --help` lists the options)") from err
+
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
         config = self._get(self.config_init, "trainer", default={})
         if config.get("logger") in (None, True):  # the default; False disables, a class replaces it
@@ -111,15 +128,19 @@ class NormlabCLI(LightningCLI):
         trainer.callbacks.insert(0, RNGState())
         return trainer
 
-    def _check_checkpoint_format(self) -> None:
+    def _check_inputs(self) -> None:
+        """Refuse a checkpoint of the wrong format and a data path with no prepared data now, before Lightning
+        writes anything into the run directory (a failed start leaves no stray run behind)."""
         ckpt_path = self.config[self.subcommand].ckpt_path
         if ckpt_path:
             resume.check_format(ckpt_path, is_deepspeed(self.trainer.strategy))
+        if Path(self.datamodule.path).resolve() != Path(DEFAULT_OUTPUT).resolve():  # (that one is built on use)
+            _ = self.datamodule.meta  # a DataError naming the path and the `normlab prepare` command
 
-    before_validate = before_test = _check_checkpoint_format
+    before_validate = before_test = _check_inputs
 
     def before_fit(self) -> None:
-        self._check_checkpoint_format()
+        self._check_inputs()
         config = self.config[self.subcommand]
         text = self._parser(self.subcommand).dump(config, skip_unset=False)  # nulls too: a complete record
         for callback in self.trainer.callbacks:

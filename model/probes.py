@@ -6,7 +6,7 @@ the stream before and after each sublayer exists as a tensor, and each attention
 q and k to the recorder, which recomputes the softmax for a few sampled query rows with the same scale and
 causal mask as training — the main path keeps using `scaled_dot_product_attention`.
 
-Tags (see DESIGN.md): `resid/rms/L{l}` (stream entering block l), `resid/rms_out/L{l}` (leaving it),
+Tags: `resid/rms/L{l}` (stream entering block l), `resid/rms_out/L{l}` (leaving it),
 `resid/update_rms/{attn,mlp}/L{l}`, `resid/update_ratio/{attn,mlp}/L{l}` (update RMS / stream RMS: the block's
 relative contribution), `resid/read_rms/{attn,mlp}/L{l}` (what the sublayer reads, after its norm if any),
 `resid/final_in` (input to the final norm), and `attn/{max_prob,entropy,saturated_frac,max_logit}/L{l}` (mean
@@ -19,6 +19,8 @@ import math
 from typing import Iterator
 
 import torch
+
+from model.names import layer_index
 
 
 def token_rms(x: torch.Tensor) -> torch.Tensor:
@@ -126,8 +128,8 @@ def grad_norms(model: torch.nn.Module, grad_of=lambda p: p.grad) -> dict[str, fl
         g = grad_of(p)
         if g is None:
             continue
-        parts = name.split(".")
-        key = f"grad/norm/L{parts[1]}" if parts[0] == "layers" else f"grad/norm/{parts[0]}"
+        index = layer_index(name)
+        key = f"grad/norm/L{index}" if index is not None else f"grad/norm/{name.split('.')[0]}"
         sq[key] = sq.get(key, 0) + g.detach().float().pow(2).sum()
     if not sq:
         return {}

@@ -6,7 +6,7 @@
 On CUDA this is Lightning's stock strategy (only the micro-batch size is read from the datamodule, see
 `_auto_select_batch_size`). Lightning refuses DeepSpeed on other accelerators, but
 DeepSpeed itself runs on CPU with gloo (its CPU accelerator). Three small overrides make the same strategy
-train for real on CPU — which is how the multi-process tests exercise ZeRO without a GPU (see DESIGN.md):
+train for real on CPU — which is how the multi-process tests exercise ZeRO without a GPU:
 
 1. `setup_environment`: the parent only adds a CUDA-accelerator check before DDP's environment setup; skip it.
 2. `setup_distributed`: skip `_validate_device_index_selection` (CPU devices have no index); the rest is the

@@ -32,13 +32,13 @@ from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
-import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 
 from training.checkpoint import (CONFIG_FILE, DEEPSPEED_TAG, LIGHTNING_FILE, MANIFEST, MODEL_CONFIG_FILE, TMP_PREFIX,
                                  CheckpointError, checkpoints_dir, ckpt_dir_of, complete_checkpoints, config_hash,
                                  file_hash, file_sizes, fsync_path, git_revision, incomplete_checkpoints, move_aside,
                                  step_dirname, versions, write_text_atomic)
+from training.distributed import gather_objects
 from training.resume import check_resume
 from training.strategy import is_deepspeed, patched
 
@@ -103,15 +103,6 @@ def _write_errors_held(trainer: Trainer) -> Iterator[list[str]]:
         for owner, name, wrap in wraps:
             stack.enter_context(patched(owner, name, wrap))
         yield held
-
-
-def _gather(trainer: Trainer, value: str | None) -> list[str | None]:
-    """Every rank's `value`, in rank order, on every rank."""
-    if trainer.world_size == 1 or not torch.distributed.is_initialized():
-        return [value]
-    values: list[str | None] = [None] * trainer.world_size
-    torch.distributed.all_gather_object(values, value)
-    return values
 
 
 def _zero_stage(trainer: Trainer) -> int | None:
@@ -187,7 +178,7 @@ class StepCheckpoint(Callback):
         # Every rank calls save_checkpoint: it is a collective (shards, RNG gather), and it ends in a barrier.
         with _write_errors_held(trainer) as held:
             trainer.save_checkpoint(tmp if deepspeed else tmp / LIGHTNING_FILE, weights_only=False)
-        failed = _gather(trainer, held[0] if held else None)
+        failed = gather_objects(held[0] if held else None)
         error = "; ".join(f"rank {rank}: {err}" for rank, err in enumerate(failed) if err) or None
         if trainer.is_global_zero and error is None:
             fault("pause_after_shards", step)

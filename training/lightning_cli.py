@@ -23,7 +23,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 
 from data.datamodule import TokenDataModule
 from data.prepare import DEFAULT_OUTPUT
-from training import checkpoint, resume
+from training import checkpoint, compat, resume
 from training.callbacks import NonFiniteGuard, RNGState, StepCheckpoint, Throughput, TrainingHealth
 from training.callbacks.progress import step_counting
 from training.errors import UserError, is_user_error
@@ -117,11 +117,10 @@ class NormlabCLI(LightningCLI):
                             f"{self.subcommand} --help` lists the options)") from err
 
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
-        config = self._get(self.config_init, "trainer", default={})
+        config = compat.cli_trainer_config(self)
         if config.get("logger") in (None, True):  # the default; False disables, a class replaces it
             kwargs["logger"] = run_logger(config["default_root_dir"], self._purge_step)
-        extra_callbacks = [self._get(self.config_init, c) for c in self._parser(self.subcommand).callback_keys]
-        trainer = self._instantiate_trainer({**config, **kwargs}, extra_callbacks)
+        trainer = compat.cli_instantiate_trainer(self, {**config, **kwargs}, compat.cli_callbacks(self))
         if not any(isinstance(c, ProgressBar) for c in config.get("callbacks") or []):  # none configured:
             trainer.callbacks[:] = [step_counting(c) for c in trainer.callbacks]  # Lightning's default bar
         # First of all callbacks: every other callback's on_train_batch_start must see the restored RNG stream.
@@ -142,7 +141,7 @@ class NormlabCLI(LightningCLI):
     def before_fit(self) -> None:
         self._check_inputs()
         config = self.config[self.subcommand]
-        text = self._parser(self.subcommand).dump(config, skip_unset=False)  # nulls too: a complete record
+        text = compat.cli_parser(self).dump(config, skip_unset=False)  # nulls too: a complete record
         for callback in self.trainer.callbacks:
             if isinstance(callback, StepCheckpoint):
                 callback.resolved_config = text

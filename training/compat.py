@@ -100,6 +100,9 @@ PATCHES: dict[str, Patch] = {p.target: p for p in [
 ]}
 
 
+_DS_ENGINE = "deepspeed.runtime.engine:DeepSpeedEngine"
+
+
 class CompatError(UserError):
     """A patched library's installed version is outside the range its patch was written against."""
 
@@ -233,15 +236,14 @@ def hold_checkpoint_writes(strategy: Any, deepspeed: bool,
     stack = ExitStack()
     if deepspeed:
         engine = strategy.deepspeed_engine
-        writes = [(engine.checkpoint_engine, "save", 1, "deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine:"
-                   "TorchCheckpointEngine.save"),
-                  (engine.checkpoint_engine, "makedirs", None, "deepspeed.runtime.checkpoint_engine."
-                   "torch_checkpoint_engine:TorchCheckpointEngine.makedirs"),
-                  (engine, "_copy_recovery_script", None, "deepspeed.runtime.engine:DeepSpeedEngine._copy_recovery_script")]
+        io, ds = "deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine:TorchCheckpointEngine", _DS_ENGINE
+        writes = [(engine.checkpoint_engine, "save", 1, f"{io}.save"),
+                  (engine.checkpoint_engine, "makedirs", None, f"{io}.makedirs"),
+                  (engine, "_copy_recovery_script", None, f"{ds}._copy_recovery_script")]
         for owner, name, path_arg, target in writes:
             require(target)
             stack.enter_context(mock.patch.object(owner, name, hold(getattr(owner, name), path_arg)))
-        require("deepspeed.runtime.engine:DeepSpeedEngine.save_checkpoint")
+        require(f"{_DS_ENGINE}.save_checkpoint")
         stack.enter_context(mock.patch.object(engine, "save_checkpoint",
                                               functools.partial(engine.save_checkpoint, save_latest=False)))
     else:

@@ -9,6 +9,8 @@ Config groups (all settable in YAML via `-c` and as dotted flags):
   guard.*       NonFiniteGuard (`--guard.policy abort|skip`, `--guard.max_consecutive_skips`)
   throughput.*  Throughput (`--throughput.peak_tflops`)
   name, runs_dir, ckpt_path, seed_everything
+
+Defaults: configs/default.yaml (the default job), then `-c` files in order, then dotted flags.
 """
 from __future__ import annotations
 
@@ -26,24 +28,15 @@ from data.prepare import DEFAULT_OUTPUT
 from training import checkpoint, compat, resume
 from training.callbacks import NonFiniteGuard, RNGState, StepCheckpoint, Throughput, TrainingHealth
 from training.callbacks.progress import step_counting
+from training.cli import LIGHTNING_SUBCOMMANDS
 from training.errors import UserError, is_user_error
-from training.lit_module import LitLM
+from training.lit_module import lit_lm
 from training.optim import OptimConfig
 from training.strategy import default_precision, is_deepspeed  # also registers --trainer.strategy zeroN
 
-# The default job (ModelConfig's defaults are the default model: llama preset, dim 256, 4 layers, 8 heads;
-# the datamodule's defaults are the default corpus, seq 256, batch 8). 300 steps is a few minutes on 2 CPU
-# cores. configs/default.yaml spells out the same values; a test keeps the two equal.
-TRAINER_DEFAULTS: dict[str, Any] = {
-    "max_steps": 300,
-    "val_check_interval": 100,  # in micro-batches, counted across epochs (check_val_every_n_epoch: null)
-    "check_val_every_n_epoch": None,
-    "num_sanity_val_steps": 0,
-    "log_every_n_steps": 10,
-    "gradient_clip_val": 1.0,
-    "enable_checkpointing": False,  # StepCheckpoint (the `checkpoint` group) saves instead
-}
-SEED = 1234
+# The default job: the defaults of `normlab fit | validate | test` are read from this file (the trainer settings,
+# seed, data and model sizes), so the file is exactly what `normlab fit` with no arguments runs.
+DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "default.yaml"
 
 
 def run_dir(runs_dir: str, name: str) -> str:
@@ -65,16 +58,15 @@ class NormlabCLI(LightningCLI):
     def __init__(self, args: list[str] | None = None) -> None:
         self._purge_step: int | None = None
         super().__init__(
-            LitLM,
+            lit_lm,
             TokenDataModule,
-            trainer_defaults=TRAINER_DEFAULTS,
-            seed_everything_default=SEED,
             save_config_kwargs={"overwrite": True},  # runs/<name>/config.yaml: rewritten on resume
             auto_configure_optimizers=False,  # LitLM.configure_optimizers builds groups + schedule
             # exit_on_error=False: a parse error is raised (argparse.ArgumentError) and `normlab` prints it as one
             # line (training/errors.py) instead of jsonargparse's usage text.
             parser_kwargs={"prog": "normlab", "description": "Train and evaluate normlab language models.",
-                           "exit_on_error": False},
+                           "exit_on_error": False,
+                           **{sub: {"default_config_files": [str(DEFAULT_CONFIG)]} for sub in LIGHTNING_SUBCOMMANDS}},
             args=args,
         )
 

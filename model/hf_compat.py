@@ -6,13 +6,13 @@ works without it.
 """
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from model.config import ModelConfig
+from model.names import split_layer
 from model.transformer import Transformer
 
 
@@ -87,11 +87,11 @@ def _name_table(fam: Family) -> dict[str, str]:
 
 
 def _translate(key: str, table: dict[str, str]) -> str:
-    m = re.match(r"^(.*?layers\.)(\d+)(\..*)$", key)
-    template, i = (m.group(1) + "{i}" + m.group(3), m.group(2)) if m else (key, None)
+    block = split_layer(key)
+    template = f"{block[0]}{{i}}.{block[2]}" if block else key
     if template not in table:
         raise KeyError(f"no Hugging Face name for parameter {key!r}")
-    return table[template].replace("{i}", i) if i is not None else table[template]
+    return table[template].replace("{i}", str(block[1])) if block else table[template]
 
 
 def to_hf_config(cfg: ModelConfig, **extra: Any):

@@ -23,6 +23,8 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from model.names import layer_index
+
 
 def token_rms(x: torch.Tensor) -> torch.Tensor:
     """Mean over tokens of each token's RMS over features (a 0-d fp32 tensor)."""
@@ -162,8 +164,8 @@ def grad_norms(model: torch.nn.Module, grad_of=lambda p: p.grad) -> dict[str, fl
         g = grad_of(p)
         if g is None:
             continue
-        parts = name.split(".")
-        key = f"grad/norm/L{parts[1]}" if parts[0] == "layers" else f"grad/norm/{parts[0]}"
+        index = layer_index(name)
+        key = f"grad/norm/L{index}" if index is not None else f"grad/norm/{name.split('.')[0]}"
         sq[key] = sq.get(key, 0) + g.detach().float().pow(2).sum()
     if not sq:
         return {}

@@ -1,17 +1,16 @@
 """The `normlab` command line: dispatch, LightningCLI parsing, configs and errors (in-process, no training)."""
 from __future__ import annotations
 
+import dataclasses
 import importlib
-import json
+import re
 import subprocess
 
 import pytest
 import yaml
 
 from model import ModelConfig
-from training import checkpoint
 from training.cli import COMMANDS, main
-from training.lit_module import RUNTIME_ARGS
 from tests.helpers.multiproc import REPO
 
 # In-process calls pass argv explicitly while pytest's own argv is set; that is what LightningCLI warns about.
@@ -61,25 +60,24 @@ def test_print_config_with_dotted_overrides(capsys):
     assert config["trainer"]["strategy"] == "zero3"
 
 
-def _resolved_model(config: dict) -> ModelConfig:
-    fields = {k: v for k, v in config["model"].items() if v is not None and k not in RUNTIME_ARGS}
-    fields.setdefault("vocab_size", 8192)  # the default corpus's tokenizer
-    fields.setdefault("max_seq_len", config["data"]["seq_len"])
-    return ModelConfig.preset(config["model"]["preset"], **fields)
+def test_the_default_job_is_configs_default_yaml(capsys):
+    """`normlab fit` with no arguments runs configs/default.yaml (its default config file): the ~8M-parameter
+    model, and the model group offers every ModelConfig field (read from the dataclass)."""
+    config = print_config([], capsys)
+    assert config["trainer"]["max_steps"] == yaml.safe_load((REPO / "configs" / "default.yaml").read_text())[
+        "trainer"]["max_steps"]
+    fields = {f.name for f in dataclasses.fields(ModelConfig)}
+    assert set(config["model"]) == fields | {"preset", "compile", "activation_checkpointing"}
+    model = {k: v for k, v in config["model"].items() if k in fields and v is not None}
+    model = ModelConfig.preset(config["model"]["preset"], **{"vocab_size": 8192,  # the default corpus's tokenizer
+                                                             "max_seq_len": config["data"]["seq_len"], **model})
+    assert 7e6 < model.num_params() < 9e6
 
 
-def test_default_yaml_is_the_builtin_default(capsys):
-    """configs/default.yaml spells out what `normlab fit` does with no arguments: the two must not drift."""
-    builtin = print_config([], capsys)
-    from_file = print_config(["-c", str(REPO / "configs" / "default.yaml")], capsys)
-    assert _resolved_model(builtin) == _resolved_model(from_file)
-    assert 7e6 < _resolved_model(builtin).num_params() < 9e6  # the "~8M-parameter" default model
-    for config in (builtin, from_file):
-        config.pop("model"), config.pop("config", None)
-    assert builtin == from_file
+RECIPES = sorted([*(REPO / "configs").rglob("*.yaml"), *(REPO / "tests" / "helpers").glob("*.yaml")])
 
 
-@pytest.mark.parametrize("recipe", sorted((REPO / "configs").rglob("*.yaml")), ids=lambda p: p.name)
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.name)
 def test_every_recipe_parses(recipe, capsys):
     print_config(["-c", str(recipe)], capsys)
 
@@ -97,16 +95,9 @@ def test_unknown_yaml_key_is_a_clear_error(tmp_path, capsys, yaml_text, key):
 
 
 def test_bad_model_value_fails_before_training(tmp_path, capsys):
-    with pytest.raises(ValueError, match=r"placement='middle'.*\['pre', 'post'"):
-        main(["fit", "--model.placement", "middle", "--runs_dir", str(tmp_path)])
-
-
-def test_fresh_fit_refuses_a_run_with_checkpoints(tmp_path):
-    ckpt = checkpoint.checkpoints_dir(tmp_path / "taken") / checkpoint.step_dirname(10)
-    ckpt.mkdir(parents=True)
-    (ckpt / checkpoint.MANIFEST).write_text(json.dumps({"step": 10, "format": "lightning"}))
-    with pytest.raises(FileExistsError, match="--ckpt_path last"):
-        main(["fit", "--runs_dir", str(tmp_path), "--name", "taken"])
+    code, _, err = run(["fit", "--model.placement", "middle", "--runs_dir", str(tmp_path)], capsys)
+    assert code == 2 and not any(tmp_path.iterdir())
+    assert re.search(r"normlab fit: error: .*placement='middle'.*\['pre', 'post'", err), err
 
 
 @pytest.mark.parametrize("command", sorted(COMMANDS))

@@ -2,7 +2,7 @@
 
 The reference is computed in float64 from the already-rounded inputs. An implementation passes when its error
 is at most 2x the error of eager PyTorch (the `"torch"` composite) in the same dtype, plus about one ulp of the
-largest value: the Triton interpreter truncates fp32 → bf16/fp16 instead of rounding (DESIGN.md).
+largest value: the Triton interpreter truncates fp32 → bf16/fp16 instead of rounding (docs/triton_notes.md).
 
 Implementations: Triton under the interpreter (CPU-only machines), Triton on CUDA (when a GPU is present; then
 the interpreter cases skip, since Triton compiles for the GPU in that process), and the C++ CPU RMSNorm.

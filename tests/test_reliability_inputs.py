@@ -6,9 +6,11 @@ The multi-process DeepSpeed side (kill -9, resharding, the guard under ZeRO) is 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 from types import SimpleNamespace
+from unittest import mock
 
 import pytest
 import torch
@@ -21,6 +23,7 @@ from training.callbacks import step_checkpoint
 from training.callbacks.step_checkpoint import StepCheckpoint
 from training.checkpoint import CheckpointError
 from training.cli import main
+from training.errors import DEBUG_ENV
 from training.loading import load_checkpoint
 
 pytestmark = pytest.mark.filterwarnings("ignore:LightningCLI's args parameter")
@@ -29,9 +32,12 @@ HELPERS = REPO / "tests" / "helpers"
 
 
 def fit(workdir: Path, name: str, *extra: str) -> None:
-    main(["fit", "-c", str(HELPERS / "tiny.yaml"), "--data.path", str(workdir / "tiny"), "--runs_dir",
-          str(workdir / "runs"), "--name", name, "--trainer.devices", "1", "--trainer.logger", "false",
-          "--metrics.every_n_steps", "0", "--checkpoint.every_n_steps", "2", *extra])
+    """`normlab fit` on the tiny config; under NORMLAB_DEBUG=1 a user error raises (with its type and message)
+    instead of being printed as one line, so the tests below check each error where it is raised."""
+    with mock.patch.dict(os.environ, {DEBUG_ENV: "1"}):
+        main(["fit", "-c", str(HELPERS / "tiny.yaml"), "--data.path", str(workdir / "tiny"), "--runs_dir",
+              str(workdir / "runs"), "--name", name, "--trainer.devices", "1", "--trainer.logger", "false",
+              "--metrics.every_n_steps", "0", "--checkpoint.every_n_steps", "2", *extra])
 
 
 def step_dir(workdir: Path, name: str, step: int) -> Path:

@@ -158,7 +158,7 @@ def test_health_metrics_and_layout_in_tensorboard(zero2):
                  "attn/saturated_frac", "attn/max_logit", "attn/max_logit_worst", "grad/norm", "param/norm"]
     missing = [f"{stem}/L{l}" for stem in per_layer for l in range(N_LAYERS) if f"{stem}/L{l}" not in tags]
     assert not missing, missing
-    assert {"resid/final_in", "grad/global", "train/skipped_steps", "train/loss", "train/lr",
+    assert {"resid/final_in", "grad/global", "train/loss", "train/lr",
             "throughput/tokens_per_sec", "throughput/mfu", "val/loss", "val/ppl"} <= tags
     assert all(step == 0 for step in scalars(zero2, "attn/entropy/L0"))  # every 50 steps: only the init audit here
     layout = layout_pb2.Layout.FromString(acc.Tensors("custom_scalars__config__")[0].tensor_proto.string_val[0])

@@ -127,7 +127,8 @@ def resolve(ckpt_path: str | None, run_dir: str | Path) -> tuple[str | None, int
     else:
         ckpt_dir = Path(ckpt_path)
         if not ckpt_dir.exists():
-            raise FileNotFoundError(f"--ckpt_path {ckpt_path}: no such checkpoint")
+            raise CheckpointError(f"--ckpt_path {ckpt_path}: no such checkpoint; give a step directory of a run "
+                                  "(<run>/checkpoints/step-XXXXXXXX) or `last`")
         if not (ckpt_dir / MANIFEST).is_file():
             if ckpt_dir.is_dir() and _STEP_DIR.match(ckpt_dir.name):
                 raise CheckpointError(f"--ckpt_path {ckpt_path}: no {MANIFEST}, the save was interrupted; "

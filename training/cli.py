@@ -20,6 +20,8 @@ import os
 import sys
 from typing import Any
 
+from training.errors import is_user_error, report
+
 LIGHTNING_SUBCOMMANDS = ("fit", "validate", "test")
 # Plain commands: name → ("module:function", one-line help). The function takes the remaining argv and returns
 # an exit code; it is imported only when run, so `normlab prepare` does not pay for importing Lightning.
@@ -27,7 +29,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "prepare": ("data.prepare:main", "build a tokenizer and token files from text (default: the built-in corpus)"),
     "evaluate": ("training.evaluate:main", "loss, perplexity and bits per byte of a saved checkpoint"),
     "export": ("training.export:main", "a checkpoint as a Hugging Face directory"),
-    "generate": ("training.sample:main", "continue a prompt with a saved checkpoint"),
+    "generate": ("training.generate:main", "continue a prompt with a saved checkpoint"),
     "study": ("training.study:main", "the normalization study: a grid of small runs, plots and a report"),
 }
 
@@ -50,10 +52,23 @@ def _is_rank_zero() -> bool:
     return rank == 0
 
 
+class _StderrHandler(logging.StreamHandler):
+    """A StreamHandler on whatever `sys.stderr` is when a record is written (not the one at set-up): a caller
+    that redirects stderr, such as a test capturing one command after another, gets normlab's log lines too."""
+
+    @property
+    def stream(self) -> Any:
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _: Any) -> None:
+        pass
+
+
 def _setup_logging() -> None:
     """INFO from normlab's own loggers on rank 0; warnings and errors from every rank. (Without importing
     Lightning: `normlab prepare` should not pay for it.)"""
-    handler = logging.StreamHandler()
+    handler = _StderrHandler()
     handler.setFormatter(logging.Formatter("[%(asctime)s %(name)s] %(message)s", "%H:%M:%S"))
     handler.addFilter(lambda record: record.levelno >= logging.WARNING or _is_rank_zero())
     for name in ("training", "data", "model"):
@@ -72,6 +87,16 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if argv else 2
     command = argv[0]
     _setup_logging()
+    try:
+        return run_command(command, argv)
+    except Exception as err:
+        if not is_user_error(err):
+            raise
+        return report(command, err)
+
+
+def run_command(command: str, argv: list[str]) -> int:
+    """`normlab <command> ...` (argv[0] is the command); user errors propagate to `main`."""
     if command in LIGHTNING_SUBCOMMANDS:
         from training.strategy import adopt_deepspeed_launcher_env
 

@@ -23,6 +23,7 @@ from data.dataset import gather, val_starts
 from data.meta import load_tokenizer, open_tokens, read_meta
 from data.tokenizer import sha256_file
 from training.checkpoint import write_text_atomic
+from training.errors import report
 from training.loading import CheckpointError, load_checkpoint
 
 log = logging.getLogger(__name__)
@@ -112,8 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         result = evaluate(args.checkpoint, args.data, args.split, args.max_tokens, args.batch_size, args.device)
     except (CheckpointError, ValueError) as err:
-        print(f"normlab evaluate: error: {err}", file=sys.stderr)
-        return 2
+        return report("evaluate", err)
     if args.output:
         write_text_atomic(args.output, json.dumps(result, indent=2) + "\n")
     print(f"step {result['step']}: {split_line(result)}")

@@ -13,17 +13,14 @@ import argparse
 import json
 import os
 import shutil
-import sys
 from pathlib import Path
 
 import torch
 
 from data.meta import load_tokenizer
 from model.hf_compat import hf_family, to_hf
+from training.errors import UserError, report
 from training.loading import NORMLAB_EXPORT_CONFIG, CheckpointError, Loaded, load_checkpoint
-
-SPECIAL_IDS = ("unk", "bos", "eos", "pad")
-
 
 def _special_tokens(tokenizer_path: Path) -> dict[str, tuple[str, int]]:
     if tokenizer_path.suffix == ".json":
@@ -101,16 +98,18 @@ def _write_safetensors(loaded: Loaded, out: Path, dtype: torch.dtype) -> None:
 def export(checkpoint: str | Path, output: str | Path, dtype: str = "float32", fmt: str = "hf",
            overwrite: bool = False) -> Path:
     output = Path(output)
+    if output.exists() and not output.is_dir():
+        raise UserError(f"--output '{output}' is a file, not a directory; choose a directory path")
     if output.exists() and any(output.iterdir()) and not overwrite:
-        raise CheckpointError(f"'{output}' already exists and is not empty; choose another --output or pass --overwrite")
+        raise UserError(f"'{output}' already exists and is not empty; choose another --output or pass --overwrite")
     loaded = load_checkpoint(checkpoint)
     if fmt == "hf":
         hf_family(loaded.model.cfg)  # fail before writing anything, naming the field that prevents it
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
-    tmp = output.with_name(f".{output.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    tmp = output.with_name(f".{output.name}.tmp-{os.getpid()}")  # beside the output: the rename stays atomic
     try:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
         if fmt == "hf":
             _write_hf(loaded, tmp, torch_dtype)
             if loaded.tokenizer_path:
@@ -120,6 +119,9 @@ def export(checkpoint: str | Path, output: str | Path, dtype: str = "float32", f
         if output.exists():
             shutil.rmtree(output)
         tmp.rename(output)
+    except OSError as err:  # an unwritable place, a full disk: name the output, not the temporary directory
+        raise UserError(f"cannot write --output '{output}' ({err.strerror or err}); nothing was written there: "
+                        "choose a directory you can write to (with room for the model)") from err
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return output
@@ -136,9 +138,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     try:
         out = export(args.checkpoint, args.output, args.dtype, args.fmt, args.overwrite)
-    except (CheckpointError, ValueError) as err:
-        print(f"normlab export: error: {err}", file=sys.stderr)
-        return 2
+    except (CheckpointError, ValueError) as err:  # (ValueError: a config with no Hugging Face equivalent)
+        return report("export", err)
     print(f"exported {args.checkpoint} → {out} ({args.fmt}, {args.dtype})")
     return 0
 

@@ -9,38 +9,34 @@ Config groups (all settable in YAML via `-c` and as dotted flags):
   guard.*       NonFiniteGuard (`--guard.policy abort|skip`, `--guard.max_consecutive_skips`)
   throughput.*  Throughput (`--throughput.peak_tflops`)
   name, runs_dir, ckpt_path, seed_everything
+
+Defaults: configs/default.yaml (the default job), then `-c` files in order, then dotted flags.
 """
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
+from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.loggers import TensorBoardLogger
 
 from data.datamodule import TokenDataModule
-from training import checkpoint, resume
+from data.prepare import DEFAULT_OUTPUT
+from training import checkpoint, compat, resume
 from training.callbacks import NonFiniteGuard, RNGState, StepCheckpoint, Throughput, TrainingHealth
 from training.callbacks.progress import step_counting
-from training.lit_module import LitLM
+from training.cli import LIGHTNING_SUBCOMMANDS
+from training.errors import UserError, is_user_error
+from training.lit_module import lit_lm
 from training.optim import OptimConfig
 from training.strategy import default_precision, is_deepspeed  # also registers --trainer.strategy zeroN
 
-# The default job (ModelConfig's defaults are the default model: llama preset, dim 256, 4 layers, 8 heads;
-# the datamodule's defaults are the default corpus, seq 256, batch 8). 300 steps is a few minutes on 2 CPU
-# cores. configs/default.yaml spells out the same values; a test keeps the two equal.
-TRAINER_DEFAULTS: dict[str, Any] = {
-    "max_steps": 300,
-    "val_check_interval": 100,  # in micro-batches, counted across epochs (check_val_every_n_epoch: null)
-    "check_val_every_n_epoch": None,
-    "num_sanity_val_steps": 0,
-    "log_every_n_steps": 10,
-    "gradient_clip_val": 1.0,
-    "enable_checkpointing": False,  # StepCheckpoint (the `checkpoint` group) saves instead
-}
-SEED = 1234
+# The default job: the defaults of `normlab fit | validate | test` are read from this file (the trainer settings,
+# seed, data and model sizes), so the file is exactly what `normlab fit` with no arguments runs.
+DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "default.yaml"
 
 
 def run_dir(runs_dir: str, name: str) -> str:
@@ -62,13 +58,15 @@ class NormlabCLI(LightningCLI):
     def __init__(self, args: list[str] | None = None) -> None:
         self._purge_step: int | None = None
         super().__init__(
-            LitLM,
+            lit_lm,
             TokenDataModule,
-            trainer_defaults=TRAINER_DEFAULTS,
-            seed_everything_default=SEED,
             save_config_kwargs={"overwrite": True},  # runs/<name>/config.yaml: rewritten on resume
             auto_configure_optimizers=False,  # LitLM.configure_optimizers builds groups + schedule
-            parser_kwargs={"prog": "normlab", "description": "Train and evaluate normlab language models."},
+            # exit_on_error=False: a parse error is raised (argparse.ArgumentError) and `normlab` prints it as one
+            # line (training/errors.py) instead of jsonargparse's usage text.
+            parser_kwargs={"prog": "normlab", "description": "Train and evaluate normlab language models.",
+                           "exit_on_error": False,
+                           **{sub: {"default_config_files": [str(DEFAULT_CONFIG)]} for sub in LIGHTNING_SUBCOMMANDS}},
             args=args,
         )
 
@@ -99,29 +97,43 @@ class NormlabCLI(LightningCLI):
         if config.trainer.precision is None:
             config.trainer.precision = default_precision(config.trainer.accelerator)
 
+    def instantiate_classes(self) -> None:
+        # A value refused by a constructor (ModelConfig, OptimConfig, the datamodule, a callback, the Trainer) is
+        # bad input: report it as such (one line, see training/errors.py), not as a crash.
+        try:
+            super().instantiate_classes()
+        except (ValueError, MisconfigurationException) as err:
+            if is_user_error(err):
+                raise
+            raise UserError(f"{err} (fix it on the command line or in the -c config file; `normlab "
+                            f"{self.subcommand} --help` lists the options)") from err
+
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
-        config = self._get(self.config_init, "trainer", default={})
+        config = compat.cli_trainer_config(self)
         if config.get("logger") in (None, True):  # the default; False disables, a class replaces it
             kwargs["logger"] = run_logger(config["default_root_dir"], self._purge_step)
-        extra_callbacks = [self._get(self.config_init, c) for c in self._parser(self.subcommand).callback_keys]
-        trainer = self._instantiate_trainer({**config, **kwargs}, extra_callbacks)
+        trainer = compat.cli_instantiate_trainer(self, {**config, **kwargs}, compat.cli_callbacks(self))
         if not any(isinstance(c, ProgressBar) for c in config.get("callbacks") or []):  # none configured:
             trainer.callbacks[:] = [step_counting(c) for c in trainer.callbacks]  # Lightning's default bar
         # First of all callbacks: every other callback's on_train_batch_start must see the restored RNG stream.
         trainer.callbacks.insert(0, RNGState())
         return trainer
 
-    def _check_checkpoint_format(self) -> None:
+    def _check_inputs(self) -> None:
+        """Refuse a checkpoint of the wrong format and a data path with no prepared data now, before Lightning
+        writes anything into the run directory (a failed start leaves no stray run behind)."""
         ckpt_path = self.config[self.subcommand].ckpt_path
         if ckpt_path:
             resume.check_format(ckpt_path, is_deepspeed(self.trainer.strategy))
+        if Path(self.datamodule.path).resolve() != Path(DEFAULT_OUTPUT).resolve():  # (that one is built on use)
+            _ = self.datamodule.meta  # a DataError naming the path and the `normlab prepare` command
 
-    before_validate = before_test = _check_checkpoint_format
+    before_validate = before_test = _check_inputs
 
     def before_fit(self) -> None:
-        self._check_checkpoint_format()
+        self._check_inputs()
         config = self.config[self.subcommand]
-        text = self._parser(self.subcommand).dump(config, skip_unset=False)  # nulls too: a complete record
+        text = compat.cli_parser(self).dump(config, skip_unset=False)  # nulls too: a complete record
         for callback in self.trainer.callbacks:
             if isinstance(callback, StepCheckpoint):
                 callback.resolved_config = text

@@ -3,15 +3,19 @@
 Thin on purpose: the optimizer and schedule live in `optim.py`, DeepSpeed in `strategy.py`, checkpoints in
 `checkpoint.py` and `callbacks/step_checkpoint.py`, throughput, RNG and the guard in `callbacks/`.
 
-The model fields are keyword arguments here (each None = "the preset's value") so that LightningCLI exposes
-them as `--model.<field>`, e.g. `--model.placement post`. `vocab_size` and `max_seq_len` default to the data's
-tokenizer and sequence length, read at setup — after `prepare_data` has built the corpus if it was missing.
+The model's fields are `ModelConfig`'s own, read from the dataclass (`model_fields`): LightningCLI builds the
+module with `lit_lm`, whose signature offers each as `--model.<field>` (e.g. `--model.placement post`), each None
+= "the preset's value". `vocab_size` and `max_seq_len` default to the data's tokenizer and sequence length, read
+at setup — after `prepare_data` has built the corpus if it was missing.
 """
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
-from typing import Any
+import typing
+from collections.abc import Callable
+from typing import Any, Optional
 
 import torch
 from lightning.pytorch import LightningModule
@@ -22,39 +26,25 @@ from model.optimize import compile_blocks, enable_activation_checkpointing
 from training.optim import OptimConfig, build_optimizer
 
 
-RUNTIME_ARGS = ("self", "__class__", "preset", "optim", "compile", "activation_checkpointing")
+def model_fields(init: Callable) -> Callable:
+    """Give the function `init`, which takes the model's fields as `**fields`, a signature that lists every
+    `ModelConfig` field as an optional keyword (None: the preset's value) — what LightningCLI reads to offer
+    `--model.<field>`. So the dataclass is the one list of fields: a new field is a new flag, with its type."""
+    own, hints = typing.get_type_hints(init), typing.get_type_hints(ModelConfig)
+    signature = inspect.signature(init)
+    params = [p.replace(annotation=own.get(p.name, p.annotation)) for p in signature.parameters.values()
+              if p.kind is not p.VAR_KEYWORD]
+    params += [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=None,
+                                 annotation=Optional[hints[f.name]]) for f in dataclasses.fields(ModelConfig)]
+    init.__signature__ = signature.replace(parameters=params)
+    return init
 
 
 class LitLM(LightningModule):
     """Next-token language modelling of a `model.Transformer` built from `preset` + field overrides."""
 
-    def __init__(
-        self,
-        preset: str = "llama",
-        vocab_size: int | None = None,  # None: the tokenizer's
-        dim: int | None = None,
-        n_layers: int | None = None,
-        n_heads: int | None = None,
-        n_kv_heads: int | None = None,
-        ffn_dim: int | None = None,
-        max_seq_len: int | None = None,  # None: the data's seq_len
-        rope_theta: float | None = None,
-        tie_embeddings: bool | None = None,
-        bias: bool | None = None,
-        norm: str | None = None,
-        norm_eps: float | None = None,
-        norm_offset: bool | None = None,
-        norm_cast: str | None = None,
-        placement: str | None = None,
-        qk_norm: str | None = None,
-        final_norm: bool | str | None = None,
-        init: str | None = None,
-        init_std: float | None = None,
-        kernels: str | None = None,
-        optim: OptimConfig | None = None,
-        compile: bool = False,
-        activation_checkpointing: bool = False,
-    ) -> None:
+    def __init__(self, preset: str = "llama", optim: OptimConfig | None = None, compile: bool = False,
+                 activation_checkpointing: bool = False, **fields: Any) -> None:
         """`preset` (see `model.PRESETS`) plus any `ModelConfig` field; `optim` is the `--optim.*` group.
 
         `compile`: `torch.compile` each block separately (regional, see model/optimize.py); `activation_checkpointing`:
@@ -62,12 +52,10 @@ class LitLM(LightningModule):
         """
         super().__init__()
         self.compile, self.activation_checkpointing = compile, activation_checkpointing
-        # Every argument but these is a ModelConfig field (a test keeps the two lists equal).
-        args = {k: v for k, v in locals().items() if k not in RUNTIME_ARGS}
         self.preset = preset
-        self.overrides = {k: v for k, v in args.items() if v is not None}
+        self.overrides = {k: v for k, v in fields.items() if v is not None}
         self.optim = OptimConfig(**optim) if isinstance(optim, dict) else (optim or OptimConfig())
-        ModelConfig.preset(preset, **self.overrides)  # fail on a bad value now, not after processes start
+        ModelConfig.preset(preset, **self.overrides)  # fail on a bad value or an unknown field now, not after start
         # Plain values only, so checkpoints stay loadable with weights_only=True (no pickled dataclasses).
         self.save_hyperparameters(ignore=["optim"])
         self.hparams["optim"] = dataclasses.asdict(self.optim)
@@ -171,3 +159,11 @@ class LitLM(LightningModule):
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint["model_config"] = self.config.to_dict()  # how to rebuild the Transformer from this file
+
+
+@model_fields
+def lit_lm(preset: str = "llama", optim: OptimConfig | None = None, compile: bool = False,
+           activation_checkpointing: bool = False, **fields: Any) -> LitLM:
+    """`LitLM(...)` as LightningCLI's `model` group: its signature lists every `ModelConfig` field (see
+    `model_fields`; on `LitLM.__init__` itself it would confuse Lightning's `save_hyperparameters`)."""
+    return LitLM(preset, optim, compile, activation_checkpointing, **fields)

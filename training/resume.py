@@ -26,7 +26,7 @@ def check_fresh_run(run_dir: str | Path) -> None:
     """A new (non-resumed) fit must not write over another run's checkpoints."""
     found = complete_checkpoints(run_dir)
     if found:
-        raise FileExistsError(
+        raise CheckpointError(
             f"{run_dir} already holds checkpoints (newest: {found[-1].name}). Resume it with `--ckpt_path last`, "
             f"or start a new run with `--name <new name>`."
         )
@@ -35,10 +35,10 @@ def check_fresh_run(run_dir: str | Path) -> None:
 def check_format(ckpt_path: str, deepspeed: bool) -> None:
     """A DeepSpeed checkpoint directory resumes only under DeepSpeed, a Lightning file only without it."""
     if Path(ckpt_path).is_dir() and not deepspeed:
-        raise ValueError(f"{ckpt_path} is a DeepSpeed checkpoint: load it under DeepSpeed, with the ZeRO stage "
+        raise CheckpointError(f"{ckpt_path} is a DeepSpeed checkpoint: load it under DeepSpeed, with the ZeRO stage "
                          "that wrote it (e.g. --trainer.strategy zero2)")
     if Path(ckpt_path).is_file() and deepspeed:
-        raise ValueError(f"{ckpt_path} is a Lightning checkpoint file: load it without DeepSpeed "
+        raise CheckpointError(f"{ckpt_path} is a Lightning checkpoint file: load it without DeepSpeed "
                          "(--trainer.strategy auto)")
 
 

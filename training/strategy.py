@@ -3,48 +3,38 @@
 `DeepSpeed(config="zero2")` reads `configs/deepspeed/zero2.json` (or any JSON path / dict). The names
 `zero1`, `zero2`, `zero3` are registered with Lightning, so `--trainer.strategy zero3` selects one.
 
-On CUDA this is Lightning's stock strategy (only the micro-batch size is read from the datamodule, see
-`_auto_select_batch_size`). Lightning refuses DeepSpeed on other accelerators, but
-DeepSpeed itself runs on CPU with gloo (its CPU accelerator). Three small overrides make the same strategy
-train for real on CPU — which is how the multi-process tests exercise ZeRO without a GPU (see DESIGN.md):
-
-1. `setup_environment`: the parent only adds a CUDA-accelerator check before DDP's environment setup; skip it.
-2. `setup_distributed`: skip `_validate_device_index_selection` (CPU devices have no index); the rest is the
-   parent's: reset the seed, set world ranks, `deepspeed.init_distributed`.
-3. `deepspeed.initialize(args=Namespace(device_rank=root_device.index))`: the index is None on CPU and the
-   engine fails on `None >= 0`; pass 0 (DeepSpeed's CPU accelerator ignores it).
+On CUDA this is Lightning's stock strategy. Lightning refuses DeepSpeed on other accelerators, but DeepSpeed
+itself runs on CPU with gloo (its CPU accelerator): the few overrides of Lightning's private methods that make
+the same strategy train for real on CPU — which is how the multi-process tests exercise ZeRO without a GPU — live
+in `training/compat.py` (`DeepSpeedStrategyPatches`), with every other patch of a library's private API.
 
 Resuming on another world size (ZeRO-1/2/3): DeepSpeed refuses to load optimizer shards written by another
 number of ranks. `load_checkpoint` then converts the checkpoint once into DeepSpeed's universal format (rank 0,
 `deepspeed.checkpoint.ds_to_universal`, cached inside the checkpoint directory as `checkpoint_universal/` +
 `latest_universal`, written to a temporary name and renamed) and loads that, which re-partitions the fp32
 weights and Adam moments for the new world size (and repairs two slips of the ZeRO-3 loader, see
-`_repair_zero3_universal_load`). DeepSpeed without ZeRO is refused earlier (see `check_reshard`).
-
-Plus one robustness fix: DeepSpeed's torch backend JIT-compiles a shared-memory all-reduce op with g++ when it
-starts (~60-90 s the first time, a crash without a compiler). That op only serves DeepSpeed's *inference*
-all-reduce (tensor-parallel inference kernels); training never calls it, so on CPU it is not built.
+`compat.repair_zero3_universal_load`). DeepSpeed without ZeRO is refused earlier (see `check_reshard`).
 """
 from __future__ import annotations
 
-import importlib
 import json
 import logging
 import os
 import shutil
 import subprocess
 import sys
-from collections.abc import Callable, Iterator, MutableMapping
-from contextlib import contextmanager
+from collections.abc import Callable, MutableMapping
 from pathlib import Path
 from typing import Any
 
 import lightning
 import torch
-from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.accelerators import CUDAAccelerator
-from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, Strategy, StrategyRegistry
+from lightning.pytorch.strategies import DeepSpeedStrategy, Strategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
+
+from training.compat import (DeepSpeedStrategyPatches, load_universal_checkpoint, repair_zero3_universal_load,
+                             restore_full_weights)
 
 log = logging.getLogger(__name__)
 
@@ -75,65 +65,11 @@ def is_deepspeed(strategy: Strategy) -> bool:
     return isinstance(strategy, DeepSpeedStrategy)
 
 
-@contextmanager
-def patched(owner: Any, name: str, wrap: Callable[[Callable], Callable]) -> Iterator[None]:
-    """Temporarily replace `owner.name` with `wrap(original)`."""
-    original = getattr(owner, name)
-    setattr(owner, name, wrap(original))
-    try:
-        yield
-    finally:
-        setattr(owner, name, original)
-
-
-def _with_device_rank_zero(initialize: Callable) -> Callable:
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        if getattr(kwargs.get("args"), "device_rank", 0) is None:
-            kwargs["args"].device_rank = 0
-        return initialize(*args, **kwargs)
-
-    return wrapper
-
-
-class DeepSpeed(DeepSpeedStrategy):
+class DeepSpeed(DeepSpeedStrategyPatches):
     """Lightning's DeepSpeedStrategy with `config` given by name (`zero1|zero2|zero3`) or path; runs on CPU too."""
 
     def __init__(self, config: str | dict = "zero2", **kwargs: Any) -> None:
         super().__init__(config=load_deepspeed_config(config), **kwargs)
-
-    @property
-    def _on_cuda(self) -> bool:
-        return isinstance(self.accelerator, CUDAAccelerator)
-
-    def setup_environment(self) -> None:
-        if self._on_cuda:
-            return super().setup_environment()
-        DDPStrategy.setup_environment(self)  # (1) the parent's body minus its CUDA-only check
-
-    def setup_distributed(self) -> None:
-        if self._on_cuda:
-            return super().setup_distributed()
-        reset_seed()  # (2) the parent's body minus _validate_device_index_selection
-        self.set_world_ranks()
-        # (`deepspeed.comm.torch` as an attribute is the torch package that deepspeed.comm imports; hence importlib.)
-        ds_torch_backend = importlib.import_module("deepspeed.comm.torch")
-        # The shm op serves inference all-reduce only (see the module docstring): do not JIT-build it.
-        with patched(ds_torch_backend, "build_shm_op", lambda _: lambda: None):
-            self._init_deepspeed_distributed()
-
-    def _setup_model_and_optimizer(self, *args: Any, **kwargs: Any) -> Any:
-        return self._call_with_cpu_device_rank(super()._setup_model_and_optimizer, *args, **kwargs)
-
-    def _initialize_deepspeed_inference(self, *args: Any, **kwargs: Any) -> Any:
-        return self._call_with_cpu_device_rank(super()._initialize_deepspeed_inference, *args, **kwargs)
-
-    def _call_with_cpu_device_rank(self, fn: Callable, *args: Any, **kwargs: Any) -> Any:
-        if self._on_cuda:
-            return fn(*args, **kwargs)
-        import deepspeed
-
-        with patched(deepspeed, "initialize", _with_device_rank_zero):  # (3)
-            return fn(*args, **kwargs)
 
     def load_checkpoint(self, checkpoint_path: str | Path, weights_only: bool | None = None) -> dict[str, Any]:
         from training.checkpoint import MANIFEST, read_manifest
@@ -150,16 +86,15 @@ class DeepSpeed(DeepSpeedStrategy):
         self._on_rank_zero(lambda: to_universal(Path(checkpoint_path)))
         log.warning("loading %s (written by %d ranks) on %d ranks through DeepSpeed's universal checkpoint",
                     checkpoint_path, saved_world, self.world_size)
-        config = self.deepspeed_engine._config  # the engine reads this flag at load time only
-        config.load_universal_checkpoint = True
+        load_universal_checkpoint(self, True)
         optimizer = self.deepspeed_engine.optimizer
         own = [{k: v for k, v in g.items() if k not in ("params", "lr")} for g in optimizer.param_groups]
         try:
             return super().load_checkpoint(checkpoint_path, weights_only)
         finally:
-            config.load_universal_checkpoint = False
+            load_universal_checkpoint(self, False)
             if self.zero_stage_3:  # (the ZeRO-1/2 loader restores each group's own values itself)
-                _repair_zero3_universal_load(optimizer, own)
+                repair_zero3_universal_load(optimizer, own)
 
     def _load_zero3_weights_for_inference(self, ckpt_dir: Path) -> dict[str, Any]:
         """validate/test/predict of a ZeRO-3 checkpoint, on any world size. Lightning builds an inference engine
@@ -181,7 +116,7 @@ class DeepSpeed(DeepSpeedStrategy):
         state = self._on_rank_zero(consolidated) or {}  # every rank stops, or none: the loader is a collective
         # (the version key: Lightning's checkpoint migration reads it; the weights are what matters here)
         checkpoint = {"state_dict": state, "pytorch-lightning_version": lightning.__version__}
-        self._restore_zero_state(checkpoint, strict=True)
+        restore_full_weights(self, checkpoint)
         log.info("loaded the consolidated weights of %s into ZeRO-3 partitions", ckpt_dir)
         return checkpoint
 
@@ -205,13 +140,6 @@ class DeepSpeed(DeepSpeedStrategy):
         # true one — invisible to Adam's update direction but not to gradient clipping or the logged grad norms.
         return super().backward(closure_loss, optimizer, *args, scale_wrt_gas=False, **kwargs)
 
-    def _auto_select_batch_size(self) -> int:
-        # DeepSpeed wants train_micro_batch_size_per_gpu (for its sample counters; it does not change the math).
-        # The parent builds the train loader to read loader.batch_sampler.batch_size, but normlab's loaders
-        # yield whole batches (batch_size=None): ask the datamodule instead.
-        datamodule = self.lightning_module.trainer.datamodule
-        return int(getattr(datamodule, "batch_size", None) or 1)
-
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
         for name in ZERO_NAMES:
@@ -220,23 +148,6 @@ class DeepSpeed(DeepSpeedStrategy):
 
 
 DeepSpeed.register_strategies(StrategyRegistry)
-
-
-def _repair_zero3_universal_load(optimizer: Any, own: list[dict[str, Any]]) -> None:
-    """Undo two slips of DeepSpeed's ZeRO-3 universal loader (deepspeed 0.19; its ZeRO-1/2 loader is exact, and
-    is left alone):
-    - it gives every parameter group the hyper-parameters of the first, so the no-decay group would get weight
-      decay: put back each group's own (`own`, read before the load; the learning rate, the same in every group,
-      stays as loaded — it is the LR schedule's position);
-    - it stores one `step` tensor in every group's state, which AdamW increments in place once per group, so the
-      second group's bias correction would run a step ahead per step: give each state its own copy.
-    Both are no-ops where the load was already right (a DeepSpeed that fixes them). Checked by resuming on
-    another world size and comparing with the straight run (tests/test_reliability_deepspeed.py)."""
-    for group, hyper in zip(optimizer.param_groups, own, strict=True):
-        group.update(hyper)
-    for state in getattr(getattr(optimizer, "optimizer", None), "state", {}).values():
-        if torch.is_tensor(state.get("step")):
-            state["step"] = state["step"].clone()
 
 
 def to_universal(ckpt_dir: Path) -> None:

@@ -2,7 +2,7 @@
 
 Each claim is checked against numbers measured in this run and printed as PASS or FAIL with those numbers.
 A claim that does not hold at this scale is reported as FAIL with the reason; thresholds are fixed in
-`CLAIMS` below, before any run, and never tuned to the outcome.
+`evaluate` below, before any run, and never tuned to the outcome.
 
 The runs use the same pieces as `normlab fit` — `model.Transformer`, `training.optim` (AdamW groups, warm-up
 and cosine schedule), `data.TokenDataModule`, `model.probes` — in a plain single-process loop: the grid is

@@ -1,7 +1,7 @@
 """`torch.library` custom ops around the fused implementations, and their eager twin.
 
 A custom op with a fake (meta) function and an autograd formula is the one integration that measured to work
-under `torch.compile(fullgraph=True)` and with `torch.library.opcheck` (DESIGN.md): compile treats the op as
+under `torch.compile(fullgraph=True)` and with `torch.library.opcheck` (docs/triton_notes.md): compile treats the op as
 opaque, and the backward is a second custom op so the compiled backward graph captures it too. Each
 implementation (`IMPLEMENTATIONS`) gets a pair `normlab::<name>_norm_fwd` / `normlab::<name>_norm_bwd`; its
 module is imported on first call, so registering the ops never imports Triton.

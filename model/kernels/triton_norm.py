@@ -8,7 +8,7 @@ One forward and one backward kernel serve both norms (`IS_RMS`), with or without
   (the Liger-Kernel / Apex layout: no atomics, deterministic).
 All arithmetic is fp32 (fp64 for fp64 inputs, so `gradcheck` runs on the kernels themselves).
 
-Written for the Triton interpreter too (DESIGN.md, "Triton on this machine"): every load is cast to the
+Written for the Triton interpreter too (docs/triton_notes.md): every load is cast to the
 accumulator dtype before any arithmetic, no autotuning, no libdevice, scalars stay Python floats.
 """
 from __future__ import annotations

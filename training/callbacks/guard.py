@@ -39,13 +39,13 @@ from __future__ import annotations
 
 import logging
 import math
-import re
 from collections import deque
 from typing import Any
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 
+from model.names import layer_index
 from training.strategy import is_deepspeed
 
 log = logging.getLogger(__name__)
@@ -66,8 +66,8 @@ def _scaler_skips_overflows(trainer: Trainer, deepspeed: bool) -> bool:
 
 
 def _layer(name: str) -> str:
-    m = re.match(r"layers\.(\d+)\.", name)
-    return f"layer L{m.group(1)} ({name})" if m else name
+    index = layer_index(name)
+    return f"layer L{index} ({name})" if index is not None else name
 
 
 class NonFiniteGuard(Callback):

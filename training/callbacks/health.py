@@ -12,12 +12,12 @@ TensorBoard writer, with a custom-scalar layout that puts all layers of a metric
 from __future__ import annotations
 
 import logging
-import re
 from typing import Any
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 
+from model.names import split_layer
 from model.probes import grad_norms, record
 from training.strategy import is_deepspeed
 
@@ -44,7 +44,7 @@ LAYOUT = {
         "global gradient norm": r"grad/global",
         "parameter norm per block": r"param/norm/L\d+",
         "QK-norm gains (mean)": r"qk_gain/(q|k)/mean/L\d+",
-        "DeepSpeed skipped steps": r"train/skipped_steps",
+        "skipped steps (guard)": r"guard/skipped_steps",
     },
 }
 
@@ -109,8 +109,6 @@ class TrainingHealth(Callback):
             grad_of = safe_get_full_grad
         self._values.update(grad_norms(model, grad_of) if grad_of else grad_norms(model))
         self._values.update(self._param_stats(model, deepspeed))
-        if deepspeed:
-            self._values["train/skipped_steps"] = float(trainer.strategy.deepspeed_engine.skipped_steps)
         if trainer.is_global_zero and trainer.logger is not None:
             trainer.logger.log_metrics(self._values, step=step)
         if self._due(step, self.histogram_every_n_steps):
@@ -123,13 +121,13 @@ class TrainingHealth(Callback):
         out: dict[str, float] = {}
         for name, p in model.named_parameters():
             full = _full_param(p, deepspeed).float()
-            m = re.match(r"layers\.(\d+)\.", name)
-            if m:
-                key = f"param/norm/L{m.group(1)}"
+            block = split_layer(name)
+            if block:
+                _, index, rest = block
+                key = f"param/norm/L{index}"
                 sq[key] = sq.get(key, 0) + full.pow(2).sum()
-                qk = re.match(r"layers\.(\d+)\.attn\.(q|k)_norm\.weight", name)
-                if qk:
-                    tag = f"{qk.group(2)}/%s/L{qk.group(1)}"
+                if rest in ("attn.q_norm.weight", "attn.k_norm.weight"):
+                    tag = f"{rest.removeprefix('attn.')[0]}/%s/L{index}"  # q or k
                     out.update({f"qk_gain/{tag % 'mean'}": full.mean().item(),
                                 f"qk_gain/{tag % 'max'}": full.max().item(),
                                 f"qk_gain/{tag % 'min'}": full.min().item()})

@@ -22,10 +22,11 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
+from training.distributed import gather_objects
 
 CHECKPOINT_KEY = "rng_states"  # a list indexed by global rank
 
@@ -55,15 +56,6 @@ def restore_rng(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def _gather(state: dict[str, Any]) -> list[dict[str, Any]]:
-    """Every rank's state, on every rank (DeepSpeed writes the client state from rank 0 only)."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return [state]
-    states: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(states, state)
-    return states
-
-
 class RNGState(Callback):
     """Checkpoints all ranks' RNG states and restores this rank's on resume (see the module docstring)."""
 
@@ -88,7 +80,7 @@ class RNGState(Callback):
             self._restore_at_next_step = None
 
     def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
-        checkpoint[CHECKPOINT_KEY] = _gather(capture_rng())  # a collective: every rank dumps the checkpoint
+        checkpoint[CHECKPOINT_KEY] = gather_objects(capture_rng())  # a collective: every rank dumps the checkpoint
 
     def on_load_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
         states = checkpoint.get(CHECKPOINT_KEY)

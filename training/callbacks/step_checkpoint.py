@@ -21,26 +21,26 @@ ENOSPC, as on a full disk), `enospc_shard` (a checkpoint file write goes to /dev
 from __future__ import annotations
 
 import errno
-import functools
 import json
 import logging
 import os
 import shutil
 import time
 from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 
 from training.checkpoint import (CONFIG_FILE, DEEPSPEED_TAG, LIGHTNING_FILE, MANIFEST, MODEL_CONFIG_FILE, TMP_PREFIX,
                                  CheckpointError, checkpoints_dir, ckpt_dir_of, complete_checkpoints, config_hash,
                                  file_hash, file_sizes, fsync_path, git_revision, incomplete_checkpoints, move_aside,
                                  step_dirname, versions, write_text_atomic)
+from training.compat import hold_checkpoint_writes
+from training.distributed import gather_objects
 from training.resume import check_resume
-from training.strategy import is_deepspeed, patched
+from training.strategy import is_deepspeed
 
 log = logging.getLogger(__name__)
 
@@ -72,10 +72,9 @@ def fault(point: str, step: int, rank: int | None = None) -> None:
 def _write_errors_held(trainer: Trainer) -> Iterator[list[str]]:
     """Within the block, an error from one of this rank's checkpoint writes is recorded in the yielded list
     instead of raised, so the rank goes on through the save's remaining collectives. A full disk shows as an
-    OSError, or as a RuntimeError from torch.save's zip writer. The writes: under DeepSpeed, every file goes
-    through its checkpoint engine (`makedirs`, `save`) or `_copy_recovery_script`, but for `latest`, which is
-    left to `_commit` (rank 0, after every shard is written — it would otherwise be a raw write on rank 0
-    just before DeepSpeed's last barrier); otherwise Lightning's checkpoint IO (rank 0)."""
+    OSError, or as a RuntimeError from torch.save's zip writer. Which writes are wrapped: see
+    `compat.hold_checkpoint_writes`; DeepSpeed's `latest` is left to `_commit` (rank 0, after every shard is
+    written — it would otherwise be a raw write on rank 0 just before DeepSpeed's last barrier)."""
     held: list[str] = []
     strategy, rank, step = trainer.strategy, trainer.global_rank, trainer.global_step
 
@@ -91,27 +90,8 @@ def _write_errors_held(trainer: Trainer) -> Iterator[list[str]]:
                 return None
         return call
 
-    if is_deepspeed(strategy):
-        engine = strategy.deepspeed_engine
-        wraps = [(engine.checkpoint_engine, "save", functools.partial(holding, path_arg=1)),
-                 (engine.checkpoint_engine, "makedirs", functools.partial(holding, path_arg=None)),
-                 (engine, "_copy_recovery_script", functools.partial(holding, path_arg=None)),
-                 (engine, "save_checkpoint", lambda save: functools.partial(save, save_latest=False))]
-    else:
-        wraps = [(strategy.checkpoint_io, "save_checkpoint", functools.partial(holding, path_arg=1))]
-    with ExitStack() as stack:
-        for owner, name, wrap in wraps:
-            stack.enter_context(patched(owner, name, wrap))
+    with hold_checkpoint_writes(strategy, is_deepspeed(strategy), holding):
         yield held
-
-
-def _gather(trainer: Trainer, value: str | None) -> list[str | None]:
-    """Every rank's `value`, in rank order, on every rank."""
-    if trainer.world_size == 1 or not torch.distributed.is_initialized():
-        return [value]
-    values: list[str | None] = [None] * trainer.world_size
-    torch.distributed.all_gather_object(values, value)
-    return values
 
 
 def _zero_stage(trainer: Trainer) -> int | None:
@@ -187,7 +167,7 @@ class StepCheckpoint(Callback):
         # Every rank calls save_checkpoint: it is a collective (shards, RNG gather), and it ends in a barrier.
         with _write_errors_held(trainer) as held:
             trainer.save_checkpoint(tmp if deepspeed else tmp / LIGHTNING_FILE, weights_only=False)
-        failed = _gather(trainer, held[0] if held else None)
+        failed = gather_objects(held[0] if held else None)
         error = "; ".join(f"rank {rank}: {err}" for rank, err in enumerate(failed) if err) or None
         if trainer.is_global_zero and error is None:
             fault("pause_after_shards", step)

@@ -1,0 +1,120 @@
+"""Bad input to every `normlab` command: one error line naming the value and the fix, exit status 2, no traceback,
+nothing written (docs/errors.md). In-process through `training.cli.main` — the console script's own entry point —
+plus one real subprocess to see what a shell sees."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+# Imported here, not first in a test: Lightning binds its log handler to the stderr of import time, which a test's
+# capsys would close.
+import lightning.pytorch  # noqa: F401
+import pytest
+import torch
+
+from model import ModelConfig, Transformer
+from tests.helpers.multiproc import REPO
+from training import checkpoint
+from training.cli import main
+from training.errors import DEBUG_ENV, UserError
+
+pytestmark = pytest.mark.filterwarnings("ignore:LightningCLI's args parameter")
+
+TINY = ["--model.dim", "32", "--model.n_layers", "1", "--model.n_heads", "4", "--data.seq_len", "16",
+        "--data.batch_size", "2", "--trainer.max_steps", "1", "--trainer.accelerator", "cpu"]
+
+
+@pytest.fixture(scope="module")
+def state_dict_file(tmp_path_factory) -> Path:
+    """A tiny model as a state-dict file with its model_config.json beside it (a format every command loads)."""
+    root = tmp_path_factory.mktemp("model")
+    cfg = ModelConfig(vocab_size=64, dim=32, n_layers=1, n_heads=4, max_seq_len=16)
+    torch.save(Transformer(cfg).state_dict(), root / "model.pt")
+    (root / checkpoint.MODEL_CONFIG_FILE).write_text(json.dumps(cfg.to_dict()))
+    return root / "model.pt"
+
+
+def taken_run(runs: Path) -> None:
+    ckpt = checkpoint.checkpoints_dir(runs / "taken") / checkpoint.step_dirname(10)
+    ckpt.mkdir(parents=True)
+    (ckpt / checkpoint.MANIFEST).write_text(json.dumps({"step": 10, "format": "lightning"}))
+
+
+# (command line with {data}, {runs}, {model}, {out} filled in; substrings the error line must hold)
+CASES = {
+    "heads_do_not_divide_dim": ("fit --model.dim 100 --model.n_heads 3", ["ModelConfig.dim=100", "n_heads=3"]),
+    "negative_lr": ("fit --optim.lr -1", ["lr=-1", "lr > 0"]),
+    "zero_batch": ("fit --data.batch_size 0", ["batch_size must be at least 1, got 0"]),
+    "negative_max_steps": ("fit --trainer.max_steps -3", ["max_steps", "-3"]),
+    "not_a_number": ("fit --model.dim abc", ["model.dim", "abc"]),
+    "unknown_flag": ("fit --model.dimm 3", ["--model.dimm"]),
+    "missing_data": ("fit --data.path {runs}/nothing-here", ["no prepared data at", "normlab prepare"]),
+    "run_has_checkpoints": ("fit --name taken", ["already holds checkpoints", "--ckpt_path last"]),
+    "missing_ckpt_path": ("fit --ckpt_path {runs}/no-such-step", ["no such checkpoint"]),
+    "unwritable_export": ("export --checkpoint {model} --format safetensors --output {runs}/a-file/model",
+                          ["cannot write --output", "a-file/model", "choose a directory"]),
+    "top_p_above_one": ("generate --checkpoint {model} --prompt hi --top-p 1.5", ["--top-p 1.5", "(0, 1]"]),
+    "negative_temperature": ("generate --checkpoint {model} --prompt hi --temperature -1",
+                             ["--temperature -1.0", ">= 0"]),
+    "zero_top_k": ("generate --checkpoint {model} --prompt hi --top-k 0", ["--top-k 0", "at least 1"]),
+    "no_new_tokens": ("generate --checkpoint {model} --prompt hi --max-new-tokens 0", ["--max-new-tokens 0"]),
+    "missing_checkpoint": ("evaluate --checkpoint {runs}/nope", ["'", "nope' does not exist"]),
+}
+
+
+def argv_of(line: str, workdir: Path, runs: Path, model: Path) -> list[str]:
+    argv = line.format(runs=runs, model=model).split()
+    if argv[0] == "fit":
+        has_data = any(a == "--data.path" for a in argv)
+        argv[1:1] = [*TINY, "--runs_dir", str(runs), *([] if has_data else ["--data.path", str(workdir / "tiny")])]
+    return argv
+
+
+def files_under(path: Path) -> set[Path]:
+    return set(path.rglob("*"))
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_user_error_is_one_line(case, workdir, tmp_path, state_dict_file, capsys, monkeypatch):
+    monkeypatch.delenv(DEBUG_ENV, raising=False)
+    line, expected = CASES[case]
+    runs = tmp_path / "runs"
+    taken_run(runs)
+    (runs / "a-file").write_text("not a directory")
+    before = files_under(tmp_path)
+    code = main(argv_of(line, workdir, runs, state_dict_file))
+    out, err = capsys.readouterr()
+    lines = err.strip().splitlines()
+    command = line.split()[0]
+    assert code == 2, err
+    assert lines and lines[-1].startswith(f"normlab {command}: error: "), err
+    assert "Traceback" not in err and out == "", err
+    for part in expected:
+        assert part in lines[-1], lines[-1]
+    assert files_under(tmp_path) == before  # no partial output: no run directory, no temporary export
+
+
+def test_debug_shows_the_traceback_and_bugs_keep_theirs(workdir, tmp_path, state_dict_file, monkeypatch):
+    argv = ["generate", "--checkpoint", str(state_dict_file), "--prompt", "hi", "--top-p", "1.5"]
+    monkeypatch.setenv(DEBUG_ENV, "1")
+    with pytest.raises(UserError, match="--top-p 1.5"):
+        main(argv)
+    monkeypatch.delenv(DEBUG_ENV)
+
+    def bug(*args, **kwargs):
+        raise KeyError("a bug, not bad input")
+
+    monkeypatch.setattr("training.generate.load_checkpoint", bug)  # stands in for a bug past the checks
+    with pytest.raises(KeyError, match="a bug"):
+        main(argv[:-2])
+
+
+def test_a_shell_sees_one_line(workdir, tmp_path):
+    """The console script as a shell runs it: exit status 2 and the one line (no traceback) on stderr."""
+    argv = argv_of(CASES["negative_lr"][0], workdir, tmp_path / "runs", tmp_path / "unused")
+    proc = subprocess.run([sys.executable, "-m", "training.cli", *argv], cwd=REPO, capture_output=True, text=True)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines()[-1].startswith("normlab fit: error: "), proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr and proc.stdout == ""

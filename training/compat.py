@@ -1,0 +1,276 @@
+"""Every place normlab overrides or patches a private API of Lightning or DeepSpeed — and only here.
+
+`PATCHES` lists each one: what it touches, why, and the versions it was written and tested against. Before a
+patch is used, `require` checks the installed version and fails loudly (`CompatError`, naming the patch, the
+versions and the fix) on any other: a private API may change in any release, silently. To support a new
+release, read each patch below against its source, run the multi-process tests, then widen the range here and
+the pin in pyproject.toml together. `tests/test_compat.py` checks that every patched attribute still exists.
+
+What this module provides:
+- `DeepSpeedStrategyPatches`: Lightning's `DeepSpeedStrategy` with the overrides that let it train on CPU (gloo,
+  DeepSpeed's CPU accelerator) and read the micro-batch size from normlab's datamodule; `training.strategy`
+  builds on it. On CUDA every override defers to Lightning's own method.
+- `restore_full_weights`, `load_universal_checkpoint`, `repair_zero3_universal_load`: what the strategy's
+  checkpoint loading needs from DeepSpeed's and Lightning's internals.
+- `hold_checkpoint_writes`: routes each file write of a checkpoint save through a wrapper (StepCheckpoint).
+- `cli_trainer_config`, `cli_callbacks`, `cli_instantiate_trainer`, `cli_parser`: LightningCLI's private helpers
+  that `NormlabCLI` uses.
+"""
+from __future__ import annotations
+
+import functools
+import importlib
+import inspect
+from collections.abc import Callable
+from contextlib import ExitStack
+from dataclasses import dataclass
+from importlib import metadata
+from typing import Any
+from unittest import mock
+
+import torch
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.pytorch.accelerators import CUDAAccelerator
+from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
+
+from training.errors import UserError
+
+# The ranges tested (lightning 2.6.6, deepspeed 0.19.8); pyproject.toml pins the same.
+LIGHTNING = ">=2.6,<2.7"
+DEEPSPEED = ">=0.19,<0.20"
+
+
+@dataclass(frozen=True)
+class Patch:
+    target: str  # "module:attribute.path" of what is overridden, patched or called
+    reason: str
+    package: str
+    versions: str
+
+
+PATCHES: dict[str, Patch] = {p.target: p for p in [
+    Patch("lightning.pytorch.strategies.deepspeed:DeepSpeedStrategy.setup_environment",
+          "on CPU: the parent's body minus its CUDA-only accelerator check (DDP's environment setup)",
+          "lightning", LIGHTNING),
+    Patch("lightning.pytorch.strategies.deepspeed:DeepSpeedStrategy._init_deepspeed_distributed",
+          "on CPU: setup_distributed is the parent's body minus _validate_device_index_selection (no device index)",
+          "lightning", LIGHTNING),
+    Patch("lightning.pytorch.strategies.deepspeed:DeepSpeedStrategy._setup_model_and_optimizer",
+          "on CPU: deepspeed.initialize gets device_rank=root_device.index=None and fails on `None >= 0`",
+          "lightning", LIGHTNING),
+    Patch("lightning.pytorch.strategies.deepspeed:DeepSpeedStrategy._initialize_deepspeed_inference",
+          "on CPU: the same device_rank=None failure when validate/test build the inference engine",
+          "lightning", LIGHTNING),
+    Patch("deepspeed:initialize",
+          "on CPU: wrapped to pass device_rank=0 instead of None (DeepSpeed's CPU accelerator ignores it)",
+          "deepspeed", DEEPSPEED),
+    Patch("deepspeed.comm.torch:build_shm_op",
+          "on CPU: not JIT-built with g++ (60-90 s, a crash without a compiler); it serves inference all-reduce only",
+          "deepspeed", DEEPSPEED),
+    Patch("lightning.pytorch.strategies.deepspeed:DeepSpeedStrategy._auto_select_batch_size",
+          "the parent reads the loader's batch_sampler, but normlab's loaders yield whole batches: ask the datamodule",
+          "lightning", LIGHTNING),
+    Patch("lightning.pytorch.strategies.deepspeed:DeepSpeedStrategy._restore_zero_state",
+          "validate/test of a ZeRO-3 checkpoint: copy consolidated weights into the partitions, one module at a time",
+          "lightning", LIGHTNING),
+    Patch("deepspeed.runtime.config:DeepSpeedConfig.load_universal_checkpoint",
+          "resume on another world size: the engine reads this flag only at load time, so it is set around the load",
+          "deepspeed", DEEPSPEED),
+    Patch("deepspeed.runtime.zero.stage3:DeepSpeedZeroOptimizer_Stage3.optimizer",
+          "the ZeRO-3 universal loader gives every group the first group's hyper-parameters and one shared AdamW "
+          "`step` tensor: repaired after the load", "deepspeed", DEEPSPEED),
+    Patch("deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine:TorchCheckpointEngine.save",
+          "a failing shard write is held, not raised, so the rank still reaches the save's collectives",
+          "deepspeed", DEEPSPEED),
+    Patch("deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine:TorchCheckpointEngine.makedirs",
+          "as for save: a failing mkdir is held until the save's collectives are over", "deepspeed", DEEPSPEED),
+    Patch("deepspeed.runtime.engine:DeepSpeedEngine._copy_recovery_script",
+          "as for save: the zero_to_fp32.py copy is a file write too", "deepspeed", DEEPSPEED),
+    Patch("deepspeed.runtime.engine:DeepSpeedEngine.save_checkpoint",
+          "called with save_latest=False: `latest` is written by StepCheckpoint after every shard, atomically",
+          "deepspeed", DEEPSPEED),
+    Patch("lightning.pytorch.cli:LightningCLI._get",
+          "NormlabCLI.instantiate_trainer reads the trainer's config and the callback groups", "lightning", LIGHTNING),
+    Patch("lightning.pytorch.cli:LightningCLI._parser",
+          "the subcommand's parser: its callback groups, and its dump of the resolved config (saved per checkpoint)",
+          "lightning", LIGHTNING),
+    Patch("lightning.pytorch.cli:LightningCLI._instantiate_trainer",
+          "NormlabCLI builds the trainer with its own logger (TensorBoard in the run directory, purge on resume)",
+          "lightning", LIGHTNING),
+]}
+
+
+_DS_ENGINE = "deepspeed.runtime.engine:DeepSpeedEngine"
+
+
+class CompatError(UserError):
+    """A patched library's installed version is outside the range its patch was written against."""
+
+
+@functools.cache
+def _installed(package: str) -> str:
+    return metadata.version(package)
+
+
+def require(target: str) -> None:
+    """Fail loudly unless the installed version of the package that `target` belongs to is in the tested range."""
+    from packaging.specifiers import SpecifierSet
+
+    patch = PATCHES[target]
+    installed = _installed(patch.package)
+    if installed not in SpecifierSet(patch.versions, prereleases=True):
+        raise CompatError(
+            f"normlab patches {target} ({patch.reason}), written for {patch.package}{patch.versions}, but "
+            f"{patch.package} {installed} is installed: pip install '{patch.package}{patch.versions}' (or check "
+            "the patch in training/compat.py against the new version and widen its range)")
+
+
+def exists(target: str) -> bool:
+    """Whether the attribute `target` names (`module:Owner.attr`) is still there: on the module or class, or, for
+    an instance attribute, assigned in the class's code (`self.attr =`)."""
+    module, _, path = target.partition(":")
+    owner: Any = importlib.import_module(module)
+    *owners, name = path.split(".")
+    for attr in owners:
+        owner = getattr(owner, attr)
+    if hasattr(owner, name):
+        return True
+    return isinstance(owner, type) and f"self.{name} =" in inspect.getsource(owner)
+
+
+def _with_device_rank_zero(initialize: Callable) -> Callable:
+    @functools.wraps(initialize)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if getattr(kwargs.get("args"), "device_rank", 0) is None:
+            kwargs["args"].device_rank = 0
+        return initialize(*args, **kwargs)
+
+    return wrapper
+
+
+class DeepSpeedStrategyPatches(DeepSpeedStrategy):
+    """Lightning's DeepSpeedStrategy, made to run on CPU (see PATCHES); on CUDA, Lightning's own methods."""
+
+    @property
+    def _on_cuda(self) -> bool:
+        return isinstance(self.accelerator, CUDAAccelerator)
+
+    def setup_environment(self) -> None:
+        if self._on_cuda:
+            return super().setup_environment()
+        require("lightning.pytorch.strategies.deepspeed:DeepSpeedStrategy.setup_environment")
+        DDPStrategy.setup_environment(self)  # the parent's body minus its CUDA-only check
+
+    def setup_distributed(self) -> None:
+        if self._on_cuda:
+            return super().setup_distributed()
+        require("lightning.pytorch.strategies.deepspeed:DeepSpeedStrategy._init_deepspeed_distributed")
+        require("deepspeed.comm.torch:build_shm_op")
+        reset_seed()  # the parent's body minus _validate_device_index_selection
+        self.set_world_ranks()
+        # (`deepspeed.comm.torch` as an attribute is the torch package that deepspeed.comm imports; hence importlib.)
+        ds_torch_backend = importlib.import_module("deepspeed.comm.torch")
+        with mock.patch.object(ds_torch_backend, "build_shm_op", lambda: None):  # None: "op unavailable" to DeepSpeed
+            self._init_deepspeed_distributed()
+
+    def _setup_model_and_optimizer(self, *args: Any, **kwargs: Any) -> Any:
+        require("lightning.pytorch.strategies.deepspeed:DeepSpeedStrategy._setup_model_and_optimizer")
+        return self._call_with_cpu_device_rank(super()._setup_model_and_optimizer, *args, **kwargs)
+
+    def _initialize_deepspeed_inference(self, *args: Any, **kwargs: Any) -> Any:
+        require("lightning.pytorch.strategies.deepspeed:DeepSpeedStrategy._initialize_deepspeed_inference")
+        return self._call_with_cpu_device_rank(super()._initialize_deepspeed_inference, *args, **kwargs)
+
+    def _call_with_cpu_device_rank(self, fn: Callable, *args: Any, **kwargs: Any) -> Any:
+        if self._on_cuda:
+            return fn(*args, **kwargs)
+        import deepspeed
+
+        require("deepspeed:initialize")
+        with mock.patch.object(deepspeed, "initialize", _with_device_rank_zero(deepspeed.initialize)):
+            return fn(*args, **kwargs)
+
+    def _auto_select_batch_size(self) -> int:
+        require("lightning.pytorch.strategies.deepspeed:DeepSpeedStrategy._auto_select_batch_size")
+        # DeepSpeed wants train_micro_batch_size_per_gpu (for its sample counters; it does not change the math).
+        datamodule = self.lightning_module.trainer.datamodule
+        return int(getattr(datamodule, "batch_size", None) or 1)
+
+
+def restore_full_weights(strategy: DeepSpeedStrategy, checkpoint: dict[str, Any]) -> None:
+    """Copy a checkpoint's full (consolidated) weights into the ZeRO-3 partitioned parameters (a collective)."""
+    require("lightning.pytorch.strategies.deepspeed:DeepSpeedStrategy._restore_zero_state")
+    strategy._restore_zero_state(checkpoint, strict=True)
+
+
+def load_universal_checkpoint(strategy: DeepSpeedStrategy, enabled: bool) -> None:
+    """Make the engine's next `load_checkpoint` read DeepSpeed's universal format (or stop doing so)."""
+    require("deepspeed.runtime.config:DeepSpeedConfig.load_universal_checkpoint")
+    strategy.deepspeed_engine._config.load_universal_checkpoint = enabled
+
+
+def repair_zero3_universal_load(optimizer: Any, own: list[dict[str, Any]]) -> None:
+    """Undo two slips of DeepSpeed's ZeRO-3 universal loader (its ZeRO-1/2 loader is exact, and is left alone):
+    - it gives every parameter group the hyper-parameters of the first, so the no-decay group would get weight
+      decay: put back each group's own (`own`, read before the load; the learning rate, the same in every group,
+      stays as loaded — it is the LR schedule's position);
+    - it stores one `step` tensor in every group's state, which AdamW increments in place once per group, so the
+      second group's bias correction would run a step ahead per step: give each state its own copy.
+    Both are no-ops where the load was already right. Checked by resuming on another world size and comparing
+    with the straight run (tests/test_reliability_deepspeed.py)."""
+    require("deepspeed.runtime.zero.stage3:DeepSpeedZeroOptimizer_Stage3.optimizer")
+    for group, hyper in zip(optimizer.param_groups, own, strict=True):
+        group.update(hyper)
+    for state in getattr(getattr(optimizer, "optimizer", None), "state", {}).values():
+        if torch.is_tensor(state.get("step")):
+            state["step"] = state["step"].clone()
+
+
+def hold_checkpoint_writes(strategy: Any, deepspeed: bool,
+                           hold: Callable[[Callable, int | None], Callable]) -> ExitStack:
+    """Patches (entered in the returned stack) that route every file write of a checkpoint save through
+    `hold(write, path_arg)` (`path_arg`: the index of the written path among the write's arguments, or None).
+    Under DeepSpeed every file goes through its checkpoint engine (`makedirs`, `save`) or
+    `_copy_recovery_script`, but `latest`, which the save leaves out (`save_latest=False`) for the caller to
+    write once every shard is; otherwise Lightning's checkpoint IO (public API)."""
+    stack = ExitStack()
+    if deepspeed:
+        engine = strategy.deepspeed_engine
+        io, ds = "deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine:TorchCheckpointEngine", _DS_ENGINE
+        writes = [(engine.checkpoint_engine, "save", 1, f"{io}.save"),
+                  (engine.checkpoint_engine, "makedirs", None, f"{io}.makedirs"),
+                  (engine, "_copy_recovery_script", None, f"{ds}._copy_recovery_script")]
+        for owner, name, path_arg, target in writes:
+            require(target)
+            stack.enter_context(mock.patch.object(owner, name, hold(getattr(owner, name), path_arg)))
+        require(f"{_DS_ENGINE}.save_checkpoint")
+        stack.enter_context(mock.patch.object(engine, "save_checkpoint",
+                                              functools.partial(engine.save_checkpoint, save_latest=False)))
+    else:
+        io = strategy.checkpoint_io
+        stack.enter_context(mock.patch.object(io, "save_checkpoint", hold(io.save_checkpoint, 1)))
+    return stack
+
+
+def cli_trainer_config(cli: Any) -> dict[str, Any]:
+    """The `trainer` group of the instantiated config."""
+    require("lightning.pytorch.cli:LightningCLI._get")
+    return cli._get(cli.config_init, "trainer", default={})
+
+
+def cli_callbacks(cli: Any) -> list[Any]:
+    """The callbacks of the `add_lightning_class_args` groups (checkpoint, guard, ...), instantiated."""
+    require("lightning.pytorch.cli:LightningCLI._get")
+    return [cli._get(cli.config_init, key) for key in cli_parser(cli).callback_keys]
+
+
+def cli_instantiate_trainer(cli: Any, config: dict[str, Any], callbacks: list[Any]) -> Any:
+    """LightningCLI's own trainer construction (its callbacks and SaveConfigCallback included)."""
+    require("lightning.pytorch.cli:LightningCLI._instantiate_trainer")
+    return cli._instantiate_trainer(config, callbacks)
+
+
+def cli_parser(cli: Any) -> Any:
+    """The parser of the running subcommand."""
+    require("lightning.pytorch.cli:LightningCLI._parser")
+    return cli._parser(cli.subcommand)

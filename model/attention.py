@@ -41,11 +41,11 @@ class Attention(nn.Module):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.kv_heads, cfg.head_dim
         q_dim, kv_dim = cfg.n_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
-        std_in, std_out = init_std(cfg, "in", layer_id), init_std(cfg, "out", layer_id)
-        self.q_proj = Linear(cfg.dim, q_dim, cfg.bias, std_in)
-        self.k_proj = Linear(cfg.dim, kv_dim, cfg.bias, std_in)
-        self.v_proj = Linear(cfg.dim, kv_dim, cfg.bias, std_in)
-        self.o_proj = Linear(q_dim, cfg.dim, cfg.bias, std_out)  # writes to the residual stream
+        self.q_proj = Linear(cfg.dim, q_dim, cfg.bias, init_std(cfg, "in", layer_id, (cfg.dim, q_dim)))
+        self.k_proj = Linear(cfg.dim, kv_dim, cfg.bias, init_std(cfg, "in", layer_id, (cfg.dim, kv_dim)))
+        self.v_proj = Linear(cfg.dim, kv_dim, cfg.bias, init_std(cfg, "in", layer_id, (cfg.dim, kv_dim)))
+        # o_proj writes to the residual stream
+        self.o_proj = Linear(q_dim, cfg.dim, cfg.bias, init_std(cfg, "out", layer_id, (q_dim, cfg.dim)))
         # QK-norm bounds the attention logits (Dehghani et al. 2023): per head over D as in Qwen3, with separate
         # Q and K gains shared by all heads (so GQA needs nothing special); or over the whole projection as in OLMo 2.
         self.qk_norm = cfg.qk_norm

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from model import ModelConfig, Transformer
+from model.norms import NORMS
 from model.probes import Recorder, attention_stats, record, token_rms
 from model.residual import PLACEMENTS
 from model.rope import rope_cos_sin
@@ -60,11 +61,11 @@ def test_known_residual_stream():
     assert s["resid/update_rms/attn/L0"] == pytest.approx(0.5)
 
 
-def check_probes_cover_every_layer(placement: str) -> None:
+def check_probes_cover_every_layer(placement: str, norm: str = "rmsnorm") -> None:
     """The probes leave the output unchanged, report every layer, and take their hooks away on exit."""
     torch.manual_seed(0)
     model = Transformer(ModelConfig(vocab_size=64, dim=32, n_layers=3, n_heads=4, n_kv_heads=2,
-                                    placement=placement, qk_norm="head"))
+                                    placement=placement, qk_norm="head", norm=norm))
     tokens = torch.randint(0, 64, (2, 16))
     plain = model(tokens)
     with record(model) as rec:
@@ -119,10 +120,13 @@ def _rms(x: torch.Tensor) -> float:
     return x.double().pow(2).mean(-1).sqrt().mean().item()
 
 
-def check_residual_probes_match_float64(placement: str) -> None:
+def check_residual_probes_match_float64(placement: str, norm: str = "rmsnorm") -> None:
     torch.manual_seed(0)
+    # Without a norm the sublayers read the raw 0.02-scale embeddings and their updates are ~1e-5 of the
+    # stream, too small for the fp32 forward to be compared at rel 1e-5: a larger init keeps them visible.
     model = Transformer(ModelConfig(vocab_size=64, dim=32, n_layers=3, n_heads=4, placement=placement,
-                                    init="normal", kernels="auto"))
+                                    init="normal", kernels="auto", norm=norm,
+                                    init_std=0.02 if norm != "none" else 0.3))
     with torch.no_grad():  # gains away from 1, so a norm's output differs from its input in RMS
         for name, p in model.named_parameters():
             if "norm" in name:
@@ -135,14 +139,16 @@ def check_residual_probes_match_float64(placement: str) -> None:
         assert got[tag] == pytest.approx(value, rel=1e-5), tag
 
 
+@pytest.mark.parametrize("norm", sorted(NORMS))
 @pytest.mark.parametrize("placement", sorted(PLACEMENTS))
-def test_probes_leave_the_output_unchanged_and_cover_every_layer(placement):
-    check_probes_cover_every_layer(placement)
+def test_probes_leave_the_output_unchanged_and_cover_every_layer(placement, norm):
+    check_probes_cover_every_layer(placement, norm)
 
 
+@pytest.mark.parametrize("norm", sorted(NORMS))
 @pytest.mark.parametrize("placement", sorted(PLACEMENTS))
-def test_residual_probes_match_a_float64_forward(placement):
-    check_residual_probes_match_float64(placement)
+def test_residual_probes_match_a_float64_forward(placement, norm):
+    check_residual_probes_match_float64(placement, norm)
 
 
 def test_pre_norm_stream_grows_with_depth_at_init():

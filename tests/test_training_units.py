@@ -42,6 +42,20 @@ def test_param_groups_exclude_norms_biases_embeddings(preset):
     assert len(all_ids) == len(set(all_ids)) == len(list(model.parameters()))
 
 
+@pytest.mark.parametrize("norm", ["dyt", "none"])
+def test_param_groups_treat_new_norms_like_gains(norm):
+    """DyT's α, γ and β are norm parameters (no decay) in every placement and in QK-norm."""
+    model = Transformer(tiny(norm=norm, qk_norm="head", placement="sandwich"))
+    groups = {g["name"]: g for g in param_groups(model, OptimConfig(weight_decay=0.1))}
+    names = {id(p): n for n, p in model.named_parameters()}
+    decayed = {names[id(p)] for p in groups["decay"]["params"]}
+    assert decayed == {n for n, p in model.named_parameters() if p.ndim == 2 and "tok_embeddings" not in n}
+    if norm == "dyt":
+        no_decay = {names[id(p)] for p in groups["no_decay"]["params"]}
+        assert {"layers.0.attn.q_norm.alpha", "layers.0.attn_res.norm_out.alpha", "norm.weight",
+                "layers.1.mlp_res.norm_in.bias"} <= no_decay
+
+
 def test_param_groups_configurable():
     model = Transformer(tiny())
     groups = param_groups(model, OptimConfig(no_decay=()))

@@ -72,6 +72,8 @@ class ModelConfig:
     init: str = "normal"
     init_std: float = 0.02
     kernels: str = "auto"  # which norm implementation runs: see model/kernels
+    logit_softcap: float | None = None  # c: final logits c·tanh(x/c) (Gemma 2); None: off
+    attn_softcap: float | None = None  # c: attention scores c·tanh(s/c) (Gemma 2); runs math attention, not SDPA
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "dim", "n_layers", "n_heads", "max_seq_len"):
@@ -98,6 +100,10 @@ class ModelConfig:
             )
         if self.norm_eps <= 0 or self.init_std <= 0 or self.rope_theta <= 0 or self.dyt_alpha <= 0:
             raise ValueError("ModelConfig.norm_eps, init_std, rope_theta and dyt_alpha must be positive")
+        for name in ("logit_softcap", "attn_softcap"):
+            cap = getattr(self, name)
+            if cap is not None and (isinstance(cap, bool) or not isinstance(cap, (int, float)) or cap <= 0):
+                raise ValueError(f"ModelConfig.{name}={cap!r} must be a positive number or None (off)")
         if self.norm_offset and self.norm != "rmsnorm":
             raise ValueError("ModelConfig.norm_offset=True is only defined for norm='rmsnorm' (Gemma-style gain)")
 

@@ -191,3 +191,26 @@ def test_probes_identical_with_fused_kernels_on_and_off():
     assert values["torch"].keys() == values["triton"].keys()
     for tag, v in values["torch"].items():
         assert values["triton"][tag] == pytest.approx(v, rel=1e-5, abs=1e-7), tag
+
+
+def test_attention_stats_use_the_softcapped_scores_and_the_model_passes_its_cap():
+    torch.manual_seed(0)
+    q, k = torch.randn(1, 2, 6, 8) * 4, torch.randn(1, 2, 6, 8) * 4
+    rows, cap = torch.tensor([3, 5]), 1.5
+    stats = attention_stats(q, k, rows, softcap=cap)
+    s = (q[:, :, rows] @ k.transpose(-1, -2)) / math.sqrt(8)  # [1, 2, R, 6]
+    visible = torch.arange(6)[None, :] <= rows[:, None]
+    p = (cap * torch.tanh(s / cap)).masked_fill(~visible, float("-inf")).softmax(-1)
+    assert torch.allclose(stats["max_prob"], p.amax(-1).mean((0, 2)), atol=1e-6)
+    assert torch.allclose(stats["max_logit"], s.masked_fill(~visible, float("-inf")).amax((0, 2, 3)))  # uncapped
+    model = Transformer(ModelConfig(vocab_size=64, dim=32, n_layers=1, n_heads=4, attn_softcap=cap))
+    with torch.no_grad():
+        model.layers[0].attn.q_proj.weight.mul_(100)  # scores well beyond the cap
+    seen = {}
+    model.layers[0].attn.rope.register_forward_hook(lambda m, a, out: seen.update(q=out[0], k=out[1]))
+    with record(model) as rec:
+        model(torch.randint(0, 64, (1, 8)))
+    all_rows = torch.arange(8)
+    want = attention_stats(seen["q"], seen["k"], all_rows, softcap=cap)["max_prob"].mean().item()
+    assert rec.scalars()["attn/max_prob/L0"] == pytest.approx(want, rel=1e-6)
+    assert want != pytest.approx(attention_stats(seen["q"], seen["k"], all_rows)["max_prob"].mean().item(), rel=1e-3)

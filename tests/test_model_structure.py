@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from model import ModelConfig, Transformer
 from model.config import INITS
-from model.attention import Attention
+from model.attention import Attention, LayerCache
 from model.init import init_std
 from model.mlp import MLPS
 from model.norms import NORMS, Norm
@@ -123,6 +123,37 @@ def test_attention_matches_explicit_softmax():
     scores = scores.masked_fill(torch.triu(torch.ones(6, 6, dtype=torch.bool), 1), float("-inf"))
     y = (scores.softmax(-1) @ v).transpose(1, 2).reshape(1, 6, 32)
     assert torch.allclose(attn(x, cos, sin), attn.o_proj(y), atol=1e-6)
+
+
+@pytest.mark.parametrize("cached", [False, True])
+def test_attention_softcap_matches_hand_written_attention(cached):
+    """attn_softcap: scores c·tanh(s/c) before the mask and softmax (Gemma 2), GQA, with and without a cache."""
+    torch.manual_seed(0)
+    cap = 0.7
+    cfg = tiny_config(attn_softcap=cap)  # 4 query heads, 2 kv heads
+    attn = Attention(cfg, 0)
+    with torch.no_grad():
+        attn.q_proj.weight.mul_(20)  # scores far beyond the cap
+    x = torch.randn(1, 6, 32)
+    cos, sin = rope_cos_sin(6, cfg.head_dim, cfg.rope_theta)
+    from model.rope import apply_rope
+
+    q = apply_rope(attn.q_proj(x).view(1, 6, 4, 8).transpose(1, 2), cos, sin).double()
+    k = apply_rope(attn.k_proj(x).view(1, 6, 2, 8).transpose(1, 2), cos, sin).double()
+    v = attn.v_proj(x).view(1, 6, 2, 8).transpose(1, 2).double()
+    k, v = k[:, [0, 0, 1, 1]], v[:, [0, 0, 1, 1]]  # query head h reads kv head h // 2
+    scores = cap * torch.tanh((q @ k.transpose(-1, -2)) / math.sqrt(8) / cap)
+    scores = scores.masked_fill(torch.triu(torch.ones(6, 6, dtype=torch.bool), 1), float("-inf"))
+    y = (scores.softmax(-1) @ v).transpose(1, 2).reshape(1, 6, 32).float()
+    if cached:  # prompt of 4, then 2 more tokens against the cache
+        cache = LayerCache(1, 2, 8, 8, x.device, x.dtype)
+        got = torch.cat([attn(x[:, :4], cos[:4], sin[:4], cache), attn(x[:, 4:], cos[4:], sin[4:], cache)], 1)
+    else:
+        got = attn(x, cos, sin)
+    assert torch.allclose(got, attn.o_proj(y), atol=1e-5)
+    uncapped = Attention(cfg.replace(attn_softcap=None), 0)
+    uncapped.load_state_dict(attn.state_dict())
+    assert not torch.allclose(uncapped(x, cos, sin), got, atol=1e-4)  # the cap changes the output here
 
 
 WIDE = dict(vocab_size=64, dim=1024, n_layers=6, n_heads=8, ffn_dim=1024, max_seq_len=8)

@@ -36,10 +36,13 @@ class OptimConfig:
     no_decay: tuple[str, ...] = ("norm", "bias", "embedding")
     betas: tuple[float, float] = (0.9, 0.95)
     eps: float = 1e-8
+    z_loss: float = 0.0  # w of the z-loss w · log²Z (PaLM: 1e-4); 0: off. Inside the chunked LM-head loss.
 
     def __post_init__(self) -> None:
         if self.schedule not in SCHEDULES:
             raise ValueError(f"optim.schedule={self.schedule!r} is not valid; choose one of {list(SCHEDULES)}")
+        if not self.z_loss >= 0:
+            raise ValueError(f"optim.z_loss={self.z_loss} must be >= 0 (0 turns it off; PaLM uses 1e-4)")
         unknown = set(self.no_decay) - set(PARAM_KINDS)
         if unknown:
             raise ValueError(f"optim.no_decay has unknown kind(s) {sorted(unknown)}; valid: {list(PARAM_KINDS)}")

@@ -61,6 +61,18 @@ def test_print_config_with_dotted_overrides(capsys):
     assert config["trainer"]["strategy"] == "zero3"
 
 
+def test_research_options_reach_the_config(capsys):
+    config = print_config(["--model.norm", "dyt", "--model.dyt_alpha", "0.2", "--model.mlp", "relu",
+                           "--model.init", "xavier", "--model.logit_softcap", "30", "--model.attn_softcap", "50",
+                           "--optim.z_loss", "1e-4", "--optim.schedule", "wsd", "--optim.decay_shape", "1-sqrt",
+                           "--optim.decay_fraction", "0.1"], capsys)
+    cfg = _resolved_model(config)
+    assert (cfg.norm, cfg.dyt_alpha, cfg.mlp, cfg.init) == ("dyt", 0.2, "relu", "xavier")
+    assert (cfg.logit_softcap, cfg.attn_softcap) == (30, 50)
+    assert config["optim"]["z_loss"] == 1e-4 and config["optim"]["decay_shape"] == "1-sqrt"
+    assert config["optim"]["schedule"] == "wsd" and config["optim"]["decay_fraction"] == 0.1
+
+
 def _resolved_model(config: dict) -> ModelConfig:
     fields = {k: v for k, v in config["model"].items() if v is not None and k not in RUNTIME_ARGS}
     fields.setdefault("vocab_size", 8192)  # the default corpus's tokenizer

@@ -2,7 +2,8 @@
 ReLU (the original Transformer) or GELU (GPT-2, BERT). Width: `ModelConfig.hidden_dim`."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F

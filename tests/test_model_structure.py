@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from model import ModelConfig, Transformer
-from model.config import INITS
 from model.attention import Attention, LayerCache
+from model.config import INITS
 from model.init import init_std
 from model.mlp import MLPS
 from model.norms import NORMS, Norm

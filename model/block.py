@@ -6,7 +6,7 @@ from torch import nn
 
 from model.attention import Attention, LayerCache
 from model.config import ModelConfig
-from model.mlp import MLP
+from model.mlp import MLPS
 from model.residual import PLACEMENTS, Stream
 
 
@@ -21,7 +21,7 @@ class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
         super().__init__()
         self.layer_id = layer_id
-        self.attn, self.mlp = Attention(cfg, layer_id), MLP(cfg, layer_id)
+        self.attn, self.mlp = Attention(cfg, layer_id), MLPS[cfg.mlp](cfg, layer_id)
         self.attn_res, self.mlp_res = PLACEMENTS[cfg.placement](cfg), PLACEMENTS[cfg.placement](cfg)
 
     def forward(self, stream: Stream, cos: torch.Tensor, sin: torch.Tensor,

@@ -10,13 +10,14 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from model.mlp import MLPS  # the MLP registry: valid names, matrices per MLP
+from model.norms import NORMS  # the norm registry: valid names, parameters per norm
 from model.residual import PLACEMENTS  # the placement registry: valid names, norms per block, final norm
 
-NORM_KINDS = ("rmsnorm", "layernorm")
 NORM_CASTS = ("llama", "gemma")
 QK_NORMS = ("none", "head", "full")
 FINAL_NORMS = ("auto", True, False)
-INITS = ("normal", "scaled", "depth", "zero")
+INITS = ("normal", "scaled", "depth", "zero", "xavier")
 KERNELS = ("auto", "triton", "torch")
 
 # Structure only; sizes always come from overrides (or the small defaults below).
@@ -59,8 +60,10 @@ class ModelConfig:
     rope_theta: float = 10000.0
     tie_embeddings: bool = False
     bias: bool = False  # biases in linear layers and in LayerNorm
+    mlp: str = "swiglu"  # swiglu | relu | gelu: see model/mlp.py
     norm: str = "rmsnorm"
     norm_eps: float = 1e-5
+    dyt_alpha: float = 0.5  # norm="dyt": the initial α of γ·tanh(α x) + β (Zhu et al. 2025's default)
     norm_offset: bool = False  # Gemma-style gain: stored as w, applied as (1 + w)
     norm_cast: str = "llama"
     placement: str = "pre"
@@ -69,6 +72,8 @@ class ModelConfig:
     init: str = "normal"
     init_std: float = 0.02
     kernels: str = "auto"  # which norm implementation runs: see model/kernels
+    logit_softcap: float | None = None  # c: final logits c·tanh(x/c) (Gemma 2); None: off
+    attn_softcap: float | None = None  # c: attention scores c·tanh(s/c) (Gemma 2); runs math attention, not SDPA
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "dim", "n_layers", "n_heads", "max_seq_len"):
@@ -77,7 +82,8 @@ class ModelConfig:
             _check_positive("n_kv_heads", self.n_kv_heads)
         if self.ffn_dim is not None:
             _check_positive("ffn_dim", self.ffn_dim)
-        _check_choice("norm", self.norm, NORM_KINDS)
+        _check_choice("mlp", self.mlp, tuple(MLPS))
+        _check_choice("norm", self.norm, tuple(NORMS))
         _check_choice("norm_cast", self.norm_cast, NORM_CASTS)
         _check_choice("placement", self.placement, tuple(PLACEMENTS))
         _check_choice("qk_norm", self.qk_norm, QK_NORMS)
@@ -92,8 +98,12 @@ class ModelConfig:
             raise ValueError(
                 f"ModelConfig.n_heads={self.n_heads} must be a multiple of n_kv_heads={self.kv_heads} (GQA groups)"
             )
-        if self.norm_eps <= 0 or self.init_std <= 0 or self.rope_theta <= 0:
-            raise ValueError("ModelConfig.norm_eps, init_std and rope_theta must be positive")
+        if self.norm_eps <= 0 or self.init_std <= 0 or self.rope_theta <= 0 or self.dyt_alpha <= 0:
+            raise ValueError("ModelConfig.norm_eps, init_std, rope_theta and dyt_alpha must be positive")
+        for name in ("logit_softcap", "attn_softcap"):
+            cap = getattr(self, name)
+            if cap is not None and (isinstance(cap, bool) or not isinstance(cap, (int, float)) or cap <= 0):
+                raise ValueError(f"ModelConfig.{name}={cap!r} must be a positive number or None (off)")
         if self.norm_offset and self.norm != "rmsnorm":
             raise ValueError("ModelConfig.norm_offset=True is only defined for norm='rmsnorm' (Gemma-style gain)")
 
@@ -108,9 +118,12 @@ class ModelConfig:
 
     @property
     def hidden_dim(self) -> int:
-        """SwiGLU width: given, or 8/3·dim rounded up to a multiple of 64 (keeps FLOPs ≈ a 4·dim GELU MLP)."""
+        """MLP width: `ffn_dim` when given; else 4·dim for a two-matrix MLP (relu, gelu), and for SwiGLU
+        8/3·dim rounded up to a multiple of 64 (three matrices: keeps FLOPs ≈ a 4·dim GELU MLP)."""
         if self.ffn_dim is not None:
             return self.ffn_dim
+        if MLPS[self.mlp].n_matrices == 2:
+            return 4 * self.dim
         return 64 * -(-(8 * self.dim // 3) // 64)
 
     # ---- constructors --------------------------------------------------------------------------
@@ -137,14 +150,14 @@ class ModelConfig:
         q, kv = self.n_heads * hd, self.kv_heads * hd
         b = 1 if self.bias else 0
         attn = d * (q + 2 * kv) + q * d + b * (q + 2 * kv + d)
-        mlp = 3 * d * self.hidden_dim + b * (2 * self.hidden_dim + d)
-        norm_params = 2 * d if (self.norm == "layernorm" and self.bias) else d
-        per_block_norms = 2 * PLACEMENTS[self.placement].n_norms * norm_params  # one placement per sublayer
-        qk = {"none": 0, "head": 2 * hd, "full": q + kv}[self.qk_norm]
-        if self.norm == "layernorm" and self.bias:
-            qk *= 2
+        n_in = MLPS[self.mlp].n_matrices - 1  # matrices reading the input (gate and up, or up)
+        mlp = (n_in + 1) * d * self.hidden_dim + b * (n_in * self.hidden_dim + d)
+        norm_params = NORMS[self.norm].num_params
+        per_block_norms = 2 * PLACEMENTS[self.placement].n_norms * norm_params(self, d)  # a placement per sublayer
+        qk = {"none": 0, "head": 2 * norm_params(self, hd), "full": norm_params(self, q) + norm_params(self, kv)}[
+            self.qk_norm]
         blocks = L * (attn + mlp + per_block_norms + qk)
-        final = norm_params if self.has_final_norm else 0
+        final = norm_params(self, d) if self.has_final_norm else 0
         emb = self.vocab_size * d
         head = 0 if self.tie_embeddings else self.vocab_size * d
         total = blocks + final + emb + head

@@ -44,7 +44,8 @@ _PRE_NORM_NAMES = {
     "layers.{i}.attn_res.norm_in.weight": "model.layers.{i}.input_layernorm.weight",
     "layers.{i}.mlp_res.norm_in.weight": "model.layers.{i}.post_attention_layernorm.weight",
 }
-_STRUCTURE = dict(norm="rmsnorm", norm_offset=False, has_final_norm=True)
+_STRUCTURE = dict(norm="rmsnorm", norm_offset=False, mlp="swiglu", logit_softcap=None, attn_softcap=None,
+                  has_final_norm=True)
 
 FAMILIES: dict[str, Family] = {
     "llama": Family("llama", "LlamaConfig", "LlamaForCausalLM",

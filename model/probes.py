@@ -32,13 +32,15 @@ def token_rms(x: torch.Tensor) -> torch.Tensor:
 
 
 def attention_stats(q_BHTD: torch.Tensor, k_BKTD: torch.Tensor, rows: torch.Tensor,
-                    threshold: float = 0.99) -> dict[str, torch.Tensor]:
+                    threshold: float = 0.99, softcap: float | None = None) -> dict[str, torch.Tensor]:
     """Softmax statistics per head for the query positions `rows`, from post-RoPE q [B,H,T,D] and k [B,K,T,D].
 
     Returns per-head tensors [H]: `max_prob` (mean over rows of the largest probability), `entropy` (normalized
     by log of the number of visible keys, so uniform attention gives 1), `saturated_frac` (fraction of rows whose
     largest probability ≥ threshold) and `max_logit` (the largest scaled pre-softmax logit). Row 0 sees only
-    itself — saturated by construction — so rows with one visible key are left out.
+    itself — saturated by construction — so rows with one visible key are left out. With `softcap` (the model's
+    `attn_softcap`) the probabilities are those of the capped scores, as in training; `max_logit` stays the
+    uncapped score, so it shows what the cap is holding back.
     """
     rows = rows[rows > 0]
     if rows.numel() == 0:
@@ -49,8 +51,9 @@ def attention_stats(q_BHTD: torch.Tensor, k_BKTD: torch.Tensor, rows: torch.Tens
     k = k.repeat_interleave(H // K, dim=1)  # GQA: query head h reads kv head h // (H/K)
     logits = q @ k.transpose(-1, -2) / math.sqrt(D)  # [B, H, R, T], the scale SDPA uses
     visible = torch.arange(k.shape[2], device=q.device)[None, :] <= rows[:, None]  # causal mask, [R, T]
+    scores = logits if softcap is None else softcap * torch.tanh(logits / softcap)  # what the softmax sees
     logits = logits.masked_fill(~visible, float("-inf"))
-    p = logits.softmax(-1)
+    p = scores.masked_fill(~visible, float("-inf")).softmax(-1)
     ent = -(p * p.clamp_min(1e-30).log()).sum(-1)  # [B, H, R]
     pmax = p.amax(-1)  # [B, H, R]
     return {
@@ -84,13 +87,14 @@ class Recorder:
         self.values["resid/final_in"] = token_rms(x)
 
     # -- attention ---------------------------------------------------------------------------------
-    def attention(self, layer: int, q_BHTD: torch.Tensor, k_BKTD: torch.Tensor) -> None:
+    def attention(self, layer: int, q_BHTD: torch.Tensor, k_BKTD: torch.Tensor,
+                  softcap: float | None = None) -> None:
         T = q_BHTD.shape[2]
         if T < 2:  # a single position attends only to itself: nothing to measure
             return
         rows = torch.linspace(0, T - 1, min(self.attn_rows, T), device=q_BHTD.device).round().long().unique()
         b = min(self.attn_batch, q_BHTD.shape[0])
-        stats = attention_stats(q_BHTD[:b], k_BKTD[:b], rows, self.threshold)
+        stats = attention_stats(q_BHTD[:b], k_BKTD[:b], rows, self.threshold, softcap)
         for key, per_head in stats.items():
             self.values[f"attn/{key}/L{layer}"] = per_head.mean()
             worst = per_head.amin() if key == "entropy" else per_head.amax()
@@ -133,7 +137,8 @@ def _observe_block(rec: Recorder, layer: int, block: nn.Module) -> list[Removabl
     handles = [
         block.register_forward_pre_hook(lambda m, args: seen.update(block_in=args[0].value())),
         block.register_forward_hook(lambda m, args, out: rec.block(layer, seen.pop("block_in"), out.value())),
-        block.attn.rope.register_forward_hook(lambda m, args, out: rec.attention(layer, *out)),
+        block.attn.rope.register_forward_hook(
+            lambda m, args, out: rec.attention(layer, *out, softcap=getattr(block.attn, "softcap", None))),
     ]
     for name, placement, sublayer in (("attn", block.attn_res, block.attn), ("mlp", block.mlp_res, block.mlp)):
 

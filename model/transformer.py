@@ -11,7 +11,7 @@ from model.block import Block
 from model.config import ModelConfig
 from model.init import init_std, init_weights
 from model.layers import Embedding, Linear
-from model.loss import fused_linear_cross_entropy
+from model.loss import fused_linear_cross_entropy, softcap_logits
 from model.norms import build_norm
 from model.residual import Stream
 from model.rope import rope_cos_sin
@@ -63,10 +63,13 @@ class Transformer(nn.Module):
         return stream.normalized(self.norm)[0]
 
     def forward(self, tokens: torch.Tensor, cache: list[LayerCache] | None = None,
-                targets: torch.Tensor | None = None, loss_chunk_size: int = 1024) -> torch.Tensor:
-        """Logits [B, T, vocab_size] for tokens [B, T]; or, given targets [B, T], the mean cross-entropy,
-        computed in chunks so the full logits are never materialized (see model/loss.py)."""
+                targets: torch.Tensor | None = None, loss_chunk_size: int = 1024, z_loss: float = 0.0,
+                return_z_loss: bool = False):
+        """Logits [B, T, vocab_size] for tokens [B, T] (soft-capped when `cfg.logit_softcap`); or, given targets
+        [B, T], the mean cross-entropy, computed in chunks so the full logits are never materialized (see
+        model/loss.py), plus `z_loss` · mean(log²Z) — with `return_z_loss`, (loss, that term)."""
         h = self.hidden_states(tokens, cache)
         if targets is None:
-            return F.linear(h, self.head_weight)
-        return fused_linear_cross_entropy(h, self.head_weight, targets, loss_chunk_size)
+            return softcap_logits(F.linear(h, self.head_weight), self.cfg.logit_softcap)
+        return fused_linear_cross_entropy(h, self.head_weight, targets, loss_chunk_size, z_loss=z_loss,
+                                          softcap=self.cfg.logit_softcap, return_z_loss=return_z_loss)

@@ -74,6 +74,25 @@ def test_the_default_job_is_configs_default_yaml(capsys):
     assert 7e6 < model.num_params() < 9e6
 
 
+def test_research_options_reach_the_config(capsys):
+    config = print_config(["--model.norm", "dyt", "--model.dyt_alpha", "0.2", "--model.mlp", "relu",
+                           "--model.init", "xavier", "--model.logit_softcap", "30", "--model.attn_softcap", "50",
+                           "--optim.z_loss", "1e-4", "--optim.schedule", "wsd", "--optim.decay_shape", "1-sqrt",
+                           "--optim.decay_fraction", "0.1"], capsys)
+    cfg = _resolved_model(config)
+    assert (cfg.norm, cfg.dyt_alpha, cfg.mlp, cfg.init) == ("dyt", 0.2, "relu", "xavier")
+    assert (cfg.logit_softcap, cfg.attn_softcap) == (30, 50)
+    assert config["optim"]["z_loss"] == 1e-4 and config["optim"]["decay_shape"] == "1-sqrt"
+    assert config["optim"]["schedule"] == "wsd" and config["optim"]["decay_fraction"] == 0.1
+
+
+def _resolved_model(config: dict) -> ModelConfig:
+    fields = {k: v for k, v in config["model"].items() if v is not None and k not in ("preset", "compile", "activation_checkpointing")}
+    fields.setdefault("vocab_size", 8192)  # the default corpus's tokenizer
+    fields.setdefault("max_seq_len", config["data"]["seq_len"])
+    return ModelConfig.preset(config["model"]["preset"], **fields)
+
+
 RECIPES = sorted([*(REPO / "configs").rglob("*.yaml"), *(REPO / "tests" / "helpers").glob("*.yaml")])
 
 

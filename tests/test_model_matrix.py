@@ -54,9 +54,11 @@ def check_variant(norm: str, placement: str, qk_norm: str, init: str) -> None:
 def _zero_grad_expected(name: str, init: str, placement: str) -> bool:
     """With `init: zero` every sublayer outputs 0 at step 0, so nothing that only feeds a sublayer learns yet:
     its projections and QK-norms (all but the zeroed output projections), the norm it reads through, and the
-    gain of a norm applied to its (zero) output. A norm on the stream (post-norm's) does learn."""
+    gain of a norm applied to its (zero) output (DyT's α too; its β does learn). A norm on the stream
+    (post-norm's) does learn."""
     if init != "zero":
         return False
     inside_sublayer = (".attn." in name or ".mlp." in name) and not ("o_proj" in name or "down_proj" in name)
     on_stream = not PLACEMENTS[placement].adds_to_stream  # its norm_out normalizes the stream, not the update
-    return inside_sublayer or "norm_in" in name or ("norm_out.weight" in name and not on_stream)
+    gain_on_zero = name.endswith(("norm_out.weight", "norm_out.alpha"))
+    return inside_sublayer or "norm_in" in name or (gain_on_zero and not on_stream)

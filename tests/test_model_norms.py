@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from model.config import ModelConfig
-from model.norms import NORMS, LayerNorm, RMSNorm, build_norm
+from model.norms import NORMS, DyT, LayerNorm, RMSNorm, build_norm
 
 # The articles' own numbers (rounded as they print them).
 SEED_EXAMPLES = [
@@ -49,22 +49,76 @@ def test_parameter_counts(d):
     assert sum(p.numel() for p in RMSNorm(d).parameters()) == d  # gain only
 
 
+def _float64_definition(kind: str, norm, x64: torch.Tensor) -> torch.Tensor:
+    """Each registered norm's formula, written out in float64 from its parameters."""
+    if kind == "layernorm":
+        ref = (x64 - x64.mean(-1, keepdim=True)) / torch.sqrt(x64.var(-1, unbiased=False, keepdim=True) + 1e-6)
+        return ref * norm.weight.double() + norm.bias.double()
+    if kind == "rmsnorm":
+        return x64 / torch.sqrt(x64.pow(2).mean(-1, keepdim=True) + 1e-6) * norm.weight.double()
+    if kind == "dyt":
+        return norm.weight.double() * torch.tanh(norm.alpha.double() * x64) + norm.bias.double()
+    if kind == "none":
+        return x64
+    raise AssertionError(f"no float64 reference for the new norm {kind!r}: add one here")
+
+
 @pytest.mark.parametrize("kind", sorted(NORMS))
 def test_norms_match_float64_definition(kind):
     torch.manual_seed(0)
     x = torch.randn(8, 37) * 3 + 1
     norm = NORMS[kind](37, eps=1e-6)
     with torch.no_grad():
-        norm.weight.normal_()
-        if getattr(norm, "bias", None) is not None:
-            norm.bias.normal_()
-    x64 = x.double()
-    if kind == "layernorm":
-        ref = (x64 - x64.mean(-1, keepdim=True)) / torch.sqrt(x64.var(-1, unbiased=False, keepdim=True) + 1e-6)
-        ref = ref * norm.weight.double() + norm.bias.double()
-    else:
-        ref = x64 / torch.sqrt(x64.pow(2).mean(-1, keepdim=True) + 1e-6) * norm.weight.double()
-    assert torch.allclose(norm(x).double(), ref, atol=1e-5)
+        for p in norm.parameters():  # away from init, so a swapped or unused parameter shows
+            p.normal_()
+    assert torch.allclose(norm(x).double(), _float64_definition(kind, norm, x.double()), atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", sorted(NORMS))
+def test_fused_residual_form_returns_norm_of_sum_and_sum(kind):
+    """`norm(y, residual=x)` is how placements fuse the deferred add: (N(x + y), x + y) for every norm."""
+    torch.manual_seed(0)
+    x, y = torch.randn(2, 5, 16), torch.randn(2, 5, 16)
+    norm = build_norm(ModelConfig(norm=kind, bias=True, kernels="torch"), 16)
+    with torch.no_grad():
+        for p in norm.parameters():
+            p.normal_()
+    out, h = norm(y, residual=x)
+    assert torch.equal(h, x + y)
+    assert torch.allclose(out, norm(x + y), atol=1e-6)
+
+
+def test_dyt_forward_and_gradients_match_float64():
+    """DyT's output and the gradients of x, γ, β and the scalar α against float64 autograd of the formula."""
+    torch.manual_seed(0)
+    x = (torch.randn(4, 6, 24) * 2).requires_grad_()
+    norm = DyT(24, alpha0=0.7)
+    assert norm.alpha.item() == pytest.approx(0.7) and norm.alpha.shape == ()
+    with torch.no_grad():
+        norm.weight.normal_(), norm.bias.normal_()
+    upstream = torch.randn(4, 6, 24)
+    (norm(x) * upstream).sum().backward()
+    params64 = [t.detach().double().requires_grad_() for t in (x, norm.alpha, norm.weight, norm.bias)]
+    x64, a64, g64, b64 = params64
+    ref = g64 * torch.tanh(a64 * x64) + b64
+    (ref * upstream.double()).sum().backward()
+    assert torch.allclose(norm(x).double(), ref, atol=1e-6)
+    for got, want in zip((x.grad, norm.alpha.grad, norm.weight.grad, norm.bias.grad), params64):
+        assert torch.allclose(got.double(), want.grad, rtol=1e-5, atol=1e-5)
+    # α's gradient by hand: Σ upstream · γ · x · (1 − tanh²(α x))
+    t = torch.tanh(a64 * x64).detach()
+    by_hand = (upstream.double() * g64.detach() * x64.detach() * (1 - t * t)).sum()
+    assert torch.allclose(norm.alpha.grad.double(), by_hand, rtol=1e-5)
+
+
+def test_dyt_alpha_from_config_and_identity_has_no_parameters():
+    cfg = ModelConfig(norm="dyt", dyt_alpha=0.25)
+    assert build_norm(cfg).alpha.item() == 0.25
+    assert list(build_norm(ModelConfig(norm="none")).parameters()) == []
+    with pytest.raises(ValueError, match="dyt_alpha"):
+        ModelConfig(norm="dyt", dyt_alpha=0.0)
+    with pytest.raises(ValueError, match=r"norm='dyn'.*'dyt'"):
+        ModelConfig(norm="dyn")
 
 
 def test_gemma_offset_gain_starts_at_one_and_applies_one_plus_w():

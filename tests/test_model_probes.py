@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from model import ModelConfig, Transformer
+from model.norms import NORMS
 from model.probes import Recorder, attention_stats, record, token_rms
 from model.residual import PLACEMENTS
 from model.rope import rope_cos_sin
@@ -60,11 +61,11 @@ def test_known_residual_stream():
     assert s["resid/update_rms/attn/L0"] == pytest.approx(0.5)
 
 
-def check_probes_cover_every_layer(placement: str) -> None:
+def check_probes_cover_every_layer(placement: str, norm: str = "rmsnorm") -> None:
     """The probes leave the output unchanged, report every layer, and take their hooks away on exit."""
     torch.manual_seed(0)
     model = Transformer(ModelConfig(vocab_size=64, dim=32, n_layers=3, n_heads=4, n_kv_heads=2,
-                                    placement=placement, qk_norm="head"))
+                                    placement=placement, qk_norm="head", norm=norm))
     tokens = torch.randint(0, 64, (2, 16))
     plain = model(tokens)
     with record(model) as rec:
@@ -119,10 +120,13 @@ def _rms(x: torch.Tensor) -> float:
     return x.double().pow(2).mean(-1).sqrt().mean().item()
 
 
-def check_residual_probes_match_float64(placement: str) -> None:
+def check_residual_probes_match_float64(placement: str, norm: str = "rmsnorm") -> None:
     torch.manual_seed(0)
+    # Without a norm the sublayers read the raw 0.02-scale embeddings and their updates are ~1e-5 of the
+    # stream, too small for the fp32 forward to be compared at rel 1e-5: a larger init keeps them visible.
     model = Transformer(ModelConfig(vocab_size=64, dim=32, n_layers=3, n_heads=4, placement=placement,
-                                    init="normal", kernels="auto"))
+                                    init="normal", kernels="auto", norm=norm,
+                                    init_std=0.02 if norm != "none" else 0.3))
     with torch.no_grad():  # gains away from 1, so a norm's output differs from its input in RMS
         for name, p in model.named_parameters():
             if "norm" in name:
@@ -135,14 +139,16 @@ def check_residual_probes_match_float64(placement: str) -> None:
         assert got[tag] == pytest.approx(value, rel=1e-5), tag
 
 
+@pytest.mark.parametrize("norm", sorted(NORMS))
 @pytest.mark.parametrize("placement", sorted(PLACEMENTS))
-def test_probes_leave_the_output_unchanged_and_cover_every_layer(placement):
-    check_probes_cover_every_layer(placement)
+def test_probes_leave_the_output_unchanged_and_cover_every_layer(placement, norm):
+    check_probes_cover_every_layer(placement, norm)
 
 
+@pytest.mark.parametrize("norm", sorted(NORMS))
 @pytest.mark.parametrize("placement", sorted(PLACEMENTS))
-def test_residual_probes_match_a_float64_forward(placement):
-    check_residual_probes_match_float64(placement)
+def test_residual_probes_match_a_float64_forward(placement, norm):
+    check_residual_probes_match_float64(placement, norm)
 
 
 def test_pre_norm_stream_grows_with_depth_at_init():
@@ -185,3 +191,26 @@ def test_probes_identical_with_fused_kernels_on_and_off():
     assert values["torch"].keys() == values["triton"].keys()
     for tag, v in values["torch"].items():
         assert values["triton"][tag] == pytest.approx(v, rel=1e-5, abs=1e-7), tag
+
+
+def test_attention_stats_use_the_softcapped_scores_and_the_model_passes_its_cap():
+    torch.manual_seed(0)
+    q, k = torch.randn(1, 2, 6, 8) * 4, torch.randn(1, 2, 6, 8) * 4
+    rows, cap = torch.tensor([3, 5]), 1.5
+    stats = attention_stats(q, k, rows, softcap=cap)
+    s = (q[:, :, rows] @ k.transpose(-1, -2)) / math.sqrt(8)  # [1, 2, R, 6]
+    visible = torch.arange(6)[None, :] <= rows[:, None]
+    p = (cap * torch.tanh(s / cap)).masked_fill(~visible, float("-inf")).softmax(-1)
+    assert torch.allclose(stats["max_prob"], p.amax(-1).mean((0, 2)), atol=1e-6)
+    assert torch.allclose(stats["max_logit"], s.masked_fill(~visible, float("-inf")).amax((0, 2, 3)))  # uncapped
+    model = Transformer(ModelConfig(vocab_size=64, dim=32, n_layers=1, n_heads=4, attn_softcap=cap))
+    with torch.no_grad():
+        model.layers[0].attn.q_proj.weight.mul_(100)  # scores well beyond the cap
+    seen = {}
+    model.layers[0].attn.rope.register_forward_hook(lambda m, a, out: seen.update(q=out[0], k=out[1]))
+    with record(model) as rec:
+        model(torch.randint(0, 64, (1, 8)))
+    all_rows = torch.arange(8)
+    want = attention_stats(seen["q"], seen["k"], all_rows, softcap=cap)["max_prob"].mean().item()
+    assert rec.scalars()["attn/max_prob/L0"] == pytest.approx(want, rel=1e-6)
+    assert want != pytest.approx(attention_stats(seen["q"], seen["k"], all_rows)["max_prob"].mean().item(), rel=1e-3)

@@ -8,9 +8,11 @@ import torch
 import torch.nn.functional as F
 
 from model import ModelConfig, Transformer
-from model.attention import Attention
+from model.attention import Attention, LayerCache
+from model.config import INITS
 from model.init import init_std
-from model.norms import Norm
+from model.mlp import MLPS
+from model.norms import NORMS, Norm
 from model.residual import PLACEMENTS, Stream
 from model.rope import rope_cos_sin
 from tests.model_helpers import tiny_config
@@ -61,7 +63,7 @@ def check_blocks_equal_formulas(name: str) -> None:
     assert torch.allclose(plain, stream.value(), atol=1e-5), name
 
 
-@pytest.mark.parametrize("norm", ["rmsnorm", "layernorm"])
+@pytest.mark.parametrize("norm", sorted(NORMS))
 @pytest.mark.parametrize("name", sorted(PLACEMENTS))
 def test_placement_equals_its_formula(name, norm):
     assert set(FORMULAS) <= set(PLACEMENTS)
@@ -123,28 +125,103 @@ def test_attention_matches_explicit_softmax():
     assert torch.allclose(attn(x, cos, sin), attn.o_proj(y), atol=1e-6)
 
 
+@pytest.mark.parametrize("cached", [False, True])
+def test_attention_softcap_matches_hand_written_attention(cached):
+    """attn_softcap: scores c·tanh(s/c) before the mask and softmax (Gemma 2), GQA, with and without a cache."""
+    torch.manual_seed(0)
+    cap = 0.7
+    cfg = tiny_config(attn_softcap=cap)  # 4 query heads, 2 kv heads
+    attn = Attention(cfg, 0)
+    with torch.no_grad():
+        attn.q_proj.weight.mul_(20)  # scores far beyond the cap
+    x = torch.randn(1, 6, 32)
+    cos, sin = rope_cos_sin(6, cfg.head_dim, cfg.rope_theta)
+    from model.rope import apply_rope
+
+    q = apply_rope(attn.q_proj(x).view(1, 6, 4, 8).transpose(1, 2), cos, sin).double()
+    k = apply_rope(attn.k_proj(x).view(1, 6, 2, 8).transpose(1, 2), cos, sin).double()
+    v = attn.v_proj(x).view(1, 6, 2, 8).transpose(1, 2).double()
+    k, v = k[:, [0, 0, 1, 1]], v[:, [0, 0, 1, 1]]  # query head h reads kv head h // 2
+    scores = cap * torch.tanh((q @ k.transpose(-1, -2)) / math.sqrt(8) / cap)
+    scores = scores.masked_fill(torch.triu(torch.ones(6, 6, dtype=torch.bool), 1), float("-inf"))
+    y = (scores.softmax(-1) @ v).transpose(1, 2).reshape(1, 6, 32).float()
+    if cached:  # prompt of 4, then 2 more tokens against the cache
+        cache = LayerCache(1, 2, 8, 8, x.device, x.dtype)
+        got = torch.cat([attn(x[:, :4], cos[:4], sin[:4], cache), attn(x[:, 4:], cos[4:], sin[4:], cache)], 1)
+    else:
+        got = attn(x, cos, sin)
+    assert torch.allclose(got, attn.o_proj(y), atol=1e-5)
+    uncapped = Attention(cfg.replace(attn_softcap=None), 0)
+    uncapped.load_state_dict(attn.state_dict())
+    assert not torch.allclose(uncapped(x, cos, sin), got, atol=1e-4)  # the cap changes the output here
+
+
 WIDE = dict(vocab_size=64, dim=1024, n_layers=6, n_heads=8, ffn_dim=1024, max_seq_len=8)
 
 
-@pytest.mark.parametrize("scheme", ["normal", "scaled", "depth", "zero"])
+@pytest.mark.parametrize("scheme", INITS)
 def test_init_statistics(scheme):
     torch.manual_seed(0)
     cfg = ModelConfig(**WIDE, init=scheme, init_std=0.02)
     model = Transformer(cfg)
     L = cfg.n_layers
     for l, layer in enumerate(model.layers):
+        xavier = math.sqrt(2 / (1024 + 1024))  # Glorot: fan_in = fan_out = 1024 for every block matrix of WIDE
         target = {"normal": 0.02, "scaled": 0.02 / math.sqrt(2 * L), "depth": 0.02 / math.sqrt(2 * (l + 1)),
-                  "zero": 0.0}[scheme]
-        assert init_std(cfg, "out", l) == pytest.approx(target)
+                  "zero": 0.0, "xavier": xavier}[scheme]
+        assert init_std(cfg, "out", l, (1024, 1024)) == pytest.approx(target)
         for w in (layer.attn.o_proj.weight, layer.mlp.down_proj.weight):
             if target == 0:
                 assert torch.count_nonzero(w) == 0
             else:
                 assert abs(w.std().item() - target) <= 0.1 * target
-        assert abs(layer.attn.q_proj.weight.std().item() - 0.02) <= 0.002
+        target_in = xavier if scheme == "xavier" else 0.02
+        assert abs(layer.attn.q_proj.weight.std().item() - target_in) <= 0.1 * target_in
         for norm in (layer.attn_res.norm_in, layer.mlp_res.norm_in):
             assert torch.equal(norm.weight, torch.ones_like(norm.weight))
     assert abs(model.tok_embeddings.weight.std().item() - 0.02) <= 0.002
+
+
+MLP_FORMULAS = {  # float64 definitions, by hand, of every registered MLP
+    "swiglu": lambda m, x: F.linear(F.silu(F.linear(x, m.gate_proj.weight.double(), m.gate_proj.bias.double()))
+                                    * F.linear(x, m.up_proj.weight.double(), m.up_proj.bias.double()),
+                                    m.down_proj.weight.double(), m.down_proj.bias.double()),
+    "relu": lambda m, x: F.linear((F.linear(x, m.up_proj.weight.double(), m.up_proj.bias.double())).clamp_min(0),
+                                  m.down_proj.weight.double(), m.down_proj.bias.double()),
+    "gelu": lambda m, x: F.linear(_gelu_erf(F.linear(x, m.up_proj.weight.double(), m.up_proj.bias.double())),
+                                  m.down_proj.weight.double(), m.down_proj.bias.double()),
+}
+
+
+def _gelu_erf(x: torch.Tensor) -> torch.Tensor:
+    return 0.5 * x * (1 + torch.erf(x / math.sqrt(2)))
+
+
+@pytest.mark.parametrize("kind", sorted(MLPS))
+def test_mlp_matches_float64_formula_and_default_width(kind):
+    assert set(MLP_FORMULAS) == set(MLPS), "add the new MLP's float64 definition to MLP_FORMULAS"
+    torch.manual_seed(0)
+    cfg = tiny_config(mlp=kind, ffn_dim=None, bias=True)
+    mlp = MLPS[kind](cfg, 0)
+    with torch.no_grad():
+        for p in mlp.parameters():
+            p.normal_(0, 0.3)
+    x = torch.randn(2, 5, cfg.dim)
+    assert torch.allclose(mlp(x).double(), MLP_FORMULAS[kind](mlp, x.double()), atol=1e-5)
+    width = {"swiglu": 128, "relu": 4 * cfg.dim, "gelu": 4 * cfg.dim}[kind]  # swiglu: 8/3·32 → 64·⌈85/64⌉
+    assert cfg.hidden_dim == width and mlp.up_proj.weight.shape == (width, cfg.dim)
+    assert tiny_config(mlp=kind, ffn_dim=40).hidden_dim == 40
+    model = Transformer(cfg)
+    assert sum(p.numel() for p in model.parameters()) == cfg.num_params()
+
+
+def test_xavier_uses_each_matrix_fans():
+    cfg = tiny_config(init="xavier", mlp="relu")  # dim 32, 4 heads, 2 kv heads (head_dim 8), ffn 48
+    attn, mlp = Attention(cfg, 0), MLPS["relu"](cfg, 0)
+    assert attn.k_proj.std == pytest.approx(math.sqrt(2 / (32 + 16)))
+    assert attn.q_proj.std == attn.o_proj.std == pytest.approx(math.sqrt(2 / (32 + 32)))
+    assert mlp.up_proj.std == mlp.down_proj.std == pytest.approx(math.sqrt(2 / (32 + 48)))
+    assert Transformer(cfg).tok_embeddings.std == cfg.init_std  # embeddings and head keep σ
 
 
 def test_init_biases_zero_and_offset_gains_zero():
@@ -176,9 +253,10 @@ def test_init_is_deterministic_and_works_on_meta_device():
 
 @pytest.mark.parametrize("field, value, fragment", [
     ("placement", "middle", "placement='middle'"),
-    ("norm", "batchnorm", "['rmsnorm', 'layernorm']"),
+    ("norm", "batchnorm", "['rmsnorm', 'layernorm', 'none', 'dyt']"),
+    ("mlp", "geglu", "['swiglu', 'relu', 'gelu']"),
     ("qk_norm", "yes", "['none', 'head', 'full']"),
-    ("init", "xavier", "'normal', 'scaled', 'depth', 'zero'"),
+    ("init", "glorot", "'normal', 'scaled', 'depth', 'zero', 'xavier'"),
     ("final_norm", "maybe", "final_norm='maybe'"),
     ("n_kv_heads", 3, "n_kv_heads=3"),
     ("dim", 30, "dim=30"),

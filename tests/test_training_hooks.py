@@ -44,3 +44,25 @@ def test_a_forward_hook_on_a_block_fires_in_every_training_step(tmp_path, compil
     # The probes, themselves hooks, ran beside the user's on the same steps (and only when asked for).
     logged = [row["resid/update_ratio/attn/L0"] for row in rows if row.get("resid/update_ratio/attn/L0")]
     assert len(logged) == (STEPS if probes else 0)
+
+
+def test_z_loss_is_logged_and_train_loss_stays_the_cross_entropy(tmp_path):
+    """optim.z_loss: train/z_loss is w · mean(log²Z) of the step's batch, train/loss its cross-entropy alone."""
+    torch.manual_seed(0)
+    w = 0.1
+    lit = LitLM(vocab_size=64, dim=32, n_layers=2, n_heads=4, max_seq_len=SEQ, optim={"z_loss": w, "lr": 1e-9, "min_lr": 0.0,
+                                                                                       "warmup_steps": 0})
+    lit.configure_model()
+    tokens = torch.randint(0, 64, (BATCH, SEQ + 1))
+    with torch.no_grad():  # the reference, on materialized logits, before the (negligible, lr 1e-9) update
+        logits = lit.model(tokens[:, :-1]).double()
+        ce = torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).item()
+        z = w * logits.logsumexp(-1).square().mean().item()
+    trainer = Trainer(accelerator="cpu", max_steps=1, logger=CSVLogger(tmp_path), log_every_n_steps=1,
+                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                      default_root_dir=tmp_path)
+    trainer.fit(lit, DataLoader(tokens, batch_size=BATCH))
+    with open(next(tmp_path.rglob("metrics.csv"))) as f:
+        row = next(r for r in csv.DictReader(f) if r.get("train/z_loss"))
+    assert float(row["train/z_loss"]) == pytest.approx(z, rel=1e-4)
+    assert float(row["train/loss"]) == pytest.approx(ce, rel=1e-4)

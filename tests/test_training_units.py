@@ -39,6 +39,20 @@ def test_param_groups_exclude_norms_biases_embeddings(preset):
     assert len(all_ids) == len(set(all_ids)) == len(list(model.parameters()))
 
 
+@pytest.mark.parametrize("norm", ["dyt", "none"])
+def test_param_groups_treat_new_norms_like_gains(norm):
+    """DyT's α, γ and β are norm parameters (no decay) in every placement and in QK-norm."""
+    model = Transformer(tiny(norm=norm, qk_norm="head", placement="sandwich"))
+    groups = {g["name"]: g for g in param_groups(model, OptimConfig(weight_decay=0.1))}
+    names = {id(p): n for n, p in model.named_parameters()}
+    decayed = {names[id(p)] for p in groups["decay"]["params"]}
+    assert decayed == {n for n, p in model.named_parameters() if p.ndim == 2 and "tok_embeddings" not in n}
+    if norm == "dyt":
+        no_decay = {names[id(p)] for p in groups["no_decay"]["params"]}
+        assert {"layers.0.attn.q_norm.alpha", "layers.0.attn_res.norm_out.alpha", "norm.weight",
+                "layers.1.mlp_res.norm_in.bias"} <= no_decay
+
+
 def test_param_groups_configurable():
     model = Transformer(tiny())
     groups = param_groups(model, OptimConfig(no_decay=()))
@@ -61,6 +75,25 @@ def test_schedule_shapes():
     assert lr_factor(1000, const, 100) == 1.0
 
 
+@pytest.mark.parametrize("shape, at_quarter", [
+    ("linear", 1 - 0.9 * 0.25),  # 0.775
+    ("cosine", 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi / 4))),  # 0.8682
+    ("1-sqrt", 1 - 0.9 * 0.5),  # 0.55
+])
+def test_wsd_schedule_by_hand(shape, at_quarter):
+    """warm-up 10, 100 steps, decay over the last 20% (steps 80..100): 1 until 80, then the shape down to 0.1."""
+    cfg = OptimConfig(lr=1.0, min_lr=0.1, warmup_steps=10, schedule="wsd", decay_fraction=0.2, decay_shape=shape)
+    f = {s: lr_factor(s, cfg, 100) for s in (0, 9, 10, 50, 79, 80, 85, 90, 100, 130)}
+    assert f[0] == pytest.approx(0.1) and f[9] == pytest.approx(1.0)
+    assert f[10] == f[50] == f[79] == f[80] == 1.0  # stable
+    assert f[85] == pytest.approx(at_quarter)
+    mid = {"linear": 0.55, "cosine": 0.55, "1-sqrt": 1 - 0.9 * math.sqrt(0.5)}[shape]
+    assert f[90] == pytest.approx(mid)
+    assert f[100] == pytest.approx(0.1) and f[130] == pytest.approx(0.1)
+    # decay_steps wins over total steps, and the fraction is of it: decay over 40..50, half-way at 45
+    assert lr_factor(45, dataclasses.replace(cfg, decay_steps=50), 10**9) == pytest.approx(mid)
+
+
 def test_build_optimizer_steps_the_schedule():
     model = Transformer(tiny())
     opt, sched = build_optimizer(model, OptimConfig(lr=1e-3, min_lr=1e-4, warmup_steps=2), total_steps=10)
@@ -76,7 +109,8 @@ def test_build_optimizer_steps_the_schedule():
 
 
 @pytest.mark.parametrize("bad", [dict(schedule="exp"), dict(no_decay=("gains",)), dict(min_lr=1.0, lr=0.1),
-                                 dict(warmup_steps=10, decay_steps=5)])
+                                 dict(warmup_steps=10, decay_steps=5), dict(decay_shape="sqrt"),
+                                 dict(decay_fraction=0.0), dict(decay_fraction=1.5), dict(z_loss=-1e-4)])
 def test_optim_config_rejects(bad):
     with pytest.raises(ValueError, match="optim"):
         OptimConfig(**bad)

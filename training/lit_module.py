@@ -94,11 +94,14 @@ class LitLM(LightningModule):
         return self.model(batch[:, :-1], targets=batch[:, 1:])
 
     def training_step(self, batch: Tensor, batch_idx: int) -> Tensor:
-        loss = self.loss(batch)
+        # the cross-entropy plus optim.z_loss · log²Z (the z term also returned, detached, for logging)
+        loss, z_loss = self.model(batch[:, :-1], targets=batch[:, 1:], z_loss=self.optim.z_loss, return_z_loss=True)
         self.log("step", float(self.global_step + 1))  # logged at the update's number (see _log_eval)
-        # train/loss is the loss of the whole update: the mean over its micro-batches (Lightning logs the value of
-        # the last one, so log the running mean) and over ranks — independent of how the batch is split.
-        self._micro_losses.append(loss.detach())
+        # train/loss is the cross-entropy of the whole update: the mean over its micro-batches (Lightning logs the
+        # value of the last one, so log the running mean) and over ranks — independent of how the batch is split.
+        self._micro_losses.append((loss - z_loss).detach())
+        if self.optim.z_loss:
+            self.log("train/z_loss", z_loss, sync_dist=True)
         self.log("train/loss", torch.stack(self._micro_losses).mean(), sync_dist=True)
         if len(self._micro_losses) >= self.trainer.accumulate_grad_batches:
             self._micro_losses = []

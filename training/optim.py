@@ -18,14 +18,19 @@ from torch import nn
 from model.layers import Embedding
 from model.norms import Norm
 
-SCHEDULES = ("cosine", "linear", "constant")
+SCHEDULES = ("cosine", "linear", "constant", "wsd")
+DECAY_SHAPES = ("linear", "cosine", "1-sqrt")
 PARAM_KINDS = ("norm", "bias", "embedding", "weight")
 
 
 @dataclass(frozen=True, kw_only=True)
 class OptimConfig:
     """AdamW hyper-parameters and the LR schedule: `warmup_steps` linear warm-up to `lr`, then `schedule` down
-    to `min_lr` at step `decay_steps` (None: the trainer's total steps), then `min_lr`."""
+    to `min_lr` at step `decay_steps` (None: the trainer's total steps), then `min_lr`.
+
+    `wsd` (warmup–stable–decay; Hu et al. 2024, Hägele et al. 2024) holds `lr` after the warm-up and decays
+    only over the last `decay_fraction` of the run's steps, in `decay_shape`: linear, cosine or 1-sqrt
+    (lr·(1 − (1 − min_lr/lr)·√progress), Hägele et al.'s best cooldown)."""
 
     lr: float = 1e-3
     min_lr: float = 1e-4
@@ -36,10 +41,19 @@ class OptimConfig:
     no_decay: tuple[str, ...] = ("norm", "bias", "embedding")
     betas: tuple[float, float] = (0.9, 0.95)
     eps: float = 1e-8
+    decay_fraction: float = 0.2  # wsd: the share of all steps spent decaying
+    decay_shape: str = "linear"  # wsd: linear | cosine | 1-sqrt
+    z_loss: float = 0.0  # w of the z-loss w · log²Z (PaLM: 1e-4); 0: off. Inside the chunked LM-head loss.
 
     def __post_init__(self) -> None:
         if self.schedule not in SCHEDULES:
             raise ValueError(f"optim.schedule={self.schedule!r} is not valid; choose one of {list(SCHEDULES)}")
+        if self.decay_shape not in DECAY_SHAPES:
+            raise ValueError(f"optim.decay_shape={self.decay_shape!r} is not valid; choose one of {list(DECAY_SHAPES)}")
+        if not 0 < self.decay_fraction <= 1:
+            raise ValueError(f"optim.decay_fraction={self.decay_fraction} must be in (0, 1] (0.2: the last 20% of steps)")
+        if not self.z_loss >= 0:
+            raise ValueError(f"optim.z_loss={self.z_loss} must be >= 0 (0 turns it off; PaLM uses 1e-4)")
         unknown = set(self.no_decay) - set(PARAM_KINDS)
         if unknown:
             raise ValueError(f"optim.no_decay has unknown kind(s) {sorted(unknown)}; valid: {list(PARAM_KINDS)}")
@@ -84,9 +98,16 @@ def lr_factor(step: int, cfg: OptimConfig, total_steps: int) -> float:
     floor = cfg.min_lr / cfg.lr
     if cfg.schedule == "constant" or end <= cfg.warmup_steps:
         return 1.0
-    progress = min(1.0, (step - cfg.warmup_steps) / (end - cfg.warmup_steps))
-    if cfg.schedule == "linear":
+    start, shape = cfg.warmup_steps, cfg.schedule
+    if cfg.schedule == "wsd":  # stable at 1 until the last decay_fraction of the steps
+        start, shape = max(cfg.warmup_steps, end - round(cfg.decay_fraction * end)), cfg.decay_shape
+        if step < start:
+            return 1.0
+    progress = min(1.0, (step - start) / (end - start))
+    if shape == "linear":
         return 1.0 - (1.0 - floor) * progress
+    if shape == "1-sqrt":
+        return 1.0 - (1.0 - floor) * math.sqrt(progress)
     return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 

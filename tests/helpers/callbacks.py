@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import json
+import os
 import random
+import time
 from pathlib import Path
 
 import numpy as np
@@ -11,14 +13,33 @@ from lightning.pytorch import Callback
 
 
 class StopAtStep(Callback):
-    """Ends training after optimizer step `step`, like a job killed between checkpoints: nothing is saved."""
+    """Ends the process after optimizer step `step`, like a job killed between checkpoints: nothing is saved.
+    (An exception, not `trainer.should_stop`: a fit that ends normally saves its final step.)"""
 
     def __init__(self, step: int) -> None:
         self.step = step
 
-    def on_train_batch_end(self, trainer, pl_module, *args) -> None:
+    def on_train_batch_start(self, trainer, pl_module, *args) -> None:
         if trainer.global_step >= self.step:
-            trainer.should_stop = True
+            raise SystemExit(0)
+
+
+class WaitForSignal(Callback):
+    """Before the first micro-batch of update `step` + 1, writes this process's id to `marker` and waits (up to
+    `timeout` s) until the file `marker`.sent exists — the test signals the process, then creates it — so the
+    signal lands at a known point mid-run."""
+
+    def __init__(self, step: int, marker: str, timeout: float = 120.0) -> None:
+        self.step, self.marker, self.timeout = step, Path(marker), timeout
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if trainer.global_step != self.step or batch_idx % trainer.accumulate_grad_batches:
+            return
+        sent = self.marker.with_name(self.marker.name + ".sent")
+        self.marker.write_text(str(os.getpid()))
+        deadline = time.monotonic() + self.timeout
+        while not sent.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
 
 
 class RNGProbe(Callback):

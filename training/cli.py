@@ -28,6 +28,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "evaluate": ("training.evaluate:main", "loss, perplexity and bits per byte of a saved checkpoint"),
     "export": ("training.export:main", "a checkpoint as a Hugging Face directory"),
     "generate": ("training.sample:main", "continue a prompt with a saved checkpoint"),
+    "compare": ("training.compare:main", "a table of config differences and final metrics of runs, and a loss plot"),
     "study": ("training.study:main", "the normalization study: a grid of small runs, plots and a report"),
 }
 

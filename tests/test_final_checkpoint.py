@@ -3,16 +3,13 @@ SIGTERM (a real signal to a real `normlab fit` process), from which the resumed 
 from __future__ import annotations
 
 import json
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.helpers.multiproc import REPO, cpu_env, run_normlab
+from tests.helpers.faults import signal_when_waiting
+from tests.helpers.multiproc import REPO, run_normlab
 from tests.helpers.runs import consolidated_state_dict, scalars
 
 pytestmark = pytest.mark.slow
@@ -51,16 +48,7 @@ def test_sigterm_mid_run_saves_then_resume_equals_the_straight_run(workdir, tmp_
         "    - class_path: tests.helpers.callbacks.WaitForSignal\n"
         f"      init_args: {{step: 5, marker: '{marker}'}}\n")
     args = [*fit_args(workdir, "stopped"), "-c", str(tmp_path / "wait.yaml")]
-    with open(tmp_path / "out.txt", "w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "training.cli", *args], cwd=workdir, env=cpu_env(),
-                                stdout=out, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 300
-        while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert marker.exists(), (tmp_path / "out.txt").read_text()[-4000:]
-        proc.send_signal(signal.SIGTERM)
-        marker.with_name("waiting.sent").touch()
-        assert proc.wait(timeout=300) == 0, (tmp_path / "out.txt").read_text()[-4000:]
+    assert signal_when_waiting(args, workdir, marker, tmp_path / "out.txt") == 0, (tmp_path / "out.txt").read_text()
     output = (tmp_path / "out.txt").read_text()
     stopped = workdir / "runs" / "stopped"
     assert "stopping after step 6 on SIGTERM" in output

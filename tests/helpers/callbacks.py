@@ -25,18 +25,21 @@ class StopAtStep(Callback):
 
 
 class WaitForSignal(Callback):
-    """Before the first micro-batch of update `step` + 1, writes this process's id to `marker` and waits (up to
-    `timeout` s) until the file `marker`.sent exists — the test signals the process, then creates it — so the
-    signal lands at a known point mid-run."""
+    """On rank `rank`, before the first micro-batch of update `step` + 1, writes the process id to `marker` and
+    waits (up to `timeout` s) until the file `marker`.sent exists — the test signals the process, then creates
+    it — so the signal lands at a known point mid-run (see tests.helpers.faults.signal_when_waiting)."""
 
-    def __init__(self, step: int, marker: str, timeout: float = 120.0) -> None:
-        self.step, self.marker, self.timeout = step, Path(marker), timeout
+    def __init__(self, step: int, marker: str, rank: int = 0, timeout: float = 120.0) -> None:
+        self.step, self.marker, self.rank, self.timeout = step, Path(marker), rank, timeout
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        if trainer.global_step != self.step or batch_idx % trainer.accumulate_grad_batches:
+        if (trainer.global_rank != self.rank or trainer.global_step != self.step
+                or batch_idx % trainer.accumulate_grad_batches):
             return
         sent = self.marker.with_name(self.marker.name + ".sent")
-        self.marker.write_text(str(os.getpid()))
+        tmp = self.marker.with_name(self.marker.name + ".tmp")
+        tmp.write_text(str(os.getpid()))
+        tmp.replace(self.marker)  # the test reads a whole process id
         deadline = time.monotonic() + self.timeout
         while not sent.exists() and time.monotonic() < deadline:
             time.sleep(0.05)

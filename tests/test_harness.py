@@ -15,6 +15,7 @@ from training.evaluate import main as evaluate_main
 
 HELPERS = REPO / "tests" / "helpers"
 TASK = "normlab_tiny_mc"
+MISSING = 'lm-evaluation-harness is the optional extra: pip install -e ".[eval]"'
 
 
 def test_missing_extra_is_one_clear_line(monkeypatch, capsys, tmp_path):
@@ -28,6 +29,7 @@ def test_missing_extra_is_one_clear_line(monkeypatch, capsys, tmp_path):
 @pytest.fixture(scope="module")
 def exported(workdir) -> tuple[Path, Path]:
     """A 4-step checkpoint of a tiny run and its Hugging Face export."""
+    pytest.importorskip("lm_eval", reason=MISSING)
     run_normlab(["fit", "-c", str(HELPERS / "tiny.yaml"), "--data.path", str(workdir / "tiny"), "--runs_dir",
                  str(workdir / "runs"), "--name", "harness", "--trainer.max_steps", "4"], cwd=workdir)
     ckpt = workdir / "runs" / "harness" / "checkpoints" / "step-00000004"
@@ -64,7 +66,7 @@ metric_list:
 
 @pytest.mark.slow
 def test_multiple_choice_equals_the_harness_hf_model_on_the_export(exported, tmp_path, capsys):
-    pytest.importorskip("lm_eval", reason='lm-evaluation-harness is the optional extra: pip install -e ".[eval]"')
+    pytest.importorskip("lm_eval", reason=MISSING)
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
 
@@ -80,9 +82,9 @@ def test_multiple_choice_equals_the_harness_hf_model_on_the_export(exported, tmp
     ll = {doc["doc_id"]: [r[0] for r in doc["resps"]] for doc in ours["samples"][TASK]}
     ref = {doc["doc_id"]: [r[0] for r in doc["resps"]] for doc in theirs["samples"][TASK]}
     assert len(ll) == 12 and ll.keys() == ref.keys()
-    for doc_id in ref:
+    for doc_id, expected in ref.items():
         assert len(ll[doc_id]) == 4
-        for (ours_ll, ours_greedy), (ref_ll, ref_greedy) in zip(ll[doc_id], ref[doc_id]):
+        for (ours_ll, ours_greedy), (ref_ll, ref_greedy) in zip(ll[doc_id], expected):
             assert abs(ours_ll - ref_ll) <= 1e-4 and ours_greedy == ref_greedy, doc_id
     # The harness's results JSON sits beside the run's other results.
     written = json.loads((ckpt.parent.parent / "eval" / "lm_eval" / "step-00000004.json").read_text())
@@ -91,7 +93,7 @@ def test_multiple_choice_equals_the_harness_hf_model_on_the_export(exported, tmp
 
 @pytest.mark.slow
 def test_rolling_and_generation_equal_the_harness_hf_model(exported):
-    pytest.importorskip("lm_eval", reason='lm-evaluation-harness is the optional extra: pip install -e ".[eval]"')
+    pytest.importorskip("lm_eval", reason=MISSING)
     from lm_eval.api.instance import Instance
     from lm_eval.models.huggingface import HFLM
 

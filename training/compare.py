@@ -100,8 +100,8 @@ def config_differences(runs: list[dict[str, Any]]) -> dict[str, list[Any]]:
 
 def _table(header: list[str], rows: list[list[str]]) -> str:
     widths = [max(len(x) for x in col) for col in zip(header, *rows)]
-    line = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip()  # noqa: E731
-    return "\n".join([line(header), line(["-" * w for w in widths]), *(line(r) for r in rows)])
+    lines = [header, ["-" * w for w in widths], *rows]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip() for cells in lines)
 
 
 def _fmt(value: Any, spec: str = ".4f") -> str:

@@ -123,7 +123,7 @@ def plan_sets(specs: list[tuple[str | None, Path | None]], run_config: dict[str,
         out.append(HeldOut(name, data_dir, meta, split, seq_len, tokens, val_starts(len(tokens), seq_len, n_windows)))
     names = [h.name for h in out]
     if len(set(names)) != len(names):
-        raise ValueError(f"--data: two sets are called {sorted(n for n in names if names.count(n) > 1)[0]!r}; "
+        raise ValueError(f"--data: two sets are called {min(n for n in names if names.count(n) > 1)!r}; "
                          "name them: --data NAME=DIR ...")
     return out
 

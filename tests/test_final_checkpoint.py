@@ -37,6 +37,15 @@ def test_max_steps_off_the_interval_saves_the_last_step_once(workdir):
     assert steps_saved(run) == ["step-00000004", "step-00000006"] and "final checkpoint" not in again.stderr
 
 
+def test_a_callback_stopping_the_fit_saves_the_step_it_stopped_at(workdir, tmp_path):
+    (tmp_path / "stop.yaml").write_text(
+        "trainer:\n  callbacks:\n    - class_path: tests.helpers.callbacks.RequestStop\n      init_args: {step: 5}\n")
+    out = run_normlab([*fit_args(workdir, "early"), "-c", str(tmp_path / "stop.yaml")], cwd=workdir)
+    run = workdir / "runs" / "early"
+    assert steps_saved(run) == ["step-00000004", "step-00000005"]
+    assert f"final checkpoint (step 5): {run / 'checkpoints' / 'step-00000005'}" in out.stderr
+
+
 def test_sigterm_mid_run_saves_then_resume_equals_the_straight_run(workdir, tmp_path):
     straight = workdir / "runs" / "straight"
     run_normlab(fit_args(workdir, "straight"), cwd=workdir)

@@ -24,6 +24,17 @@ class StopAtStep(Callback):
             raise SystemExit(0)
 
 
+class RequestStop(Callback):
+    """Asks the trainer to stop after optimizer step `step` (`trainer.should_stop`), as early stopping does."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer, pl_module, *args) -> None:
+        if trainer.global_step >= self.step:
+            trainer.should_stop = True
+
+
 class WaitForSignal(Callback):
     """On rank `rank`, before the first micro-batch of update `step` + 1, writes the process id to `marker` and
     waits (up to `timeout` s) until the file `marker`.sent exists — the test signals the process, then creates

@@ -27,9 +27,10 @@ LIGHTNING_SUBCOMMANDS = ("fit", "validate", "test")
 # an exit code; it is imported only when run, so `normlab prepare` does not pay for importing Lightning.
 COMMANDS: dict[str, tuple[str, str]] = {
     "prepare": ("data.prepare:main", "build a tokenizer and token files from text (default: the built-in corpus)"),
-    "evaluate": ("training.evaluate:main", "loss, perplexity and bits per byte of a saved checkpoint"),
+    "evaluate": ("training.evaluate:main", "loss/ppl/bpb of checkpoints or whole runs, or harness tasks"),
     "export": ("training.export:main", "a checkpoint as a Hugging Face directory"),
     "generate": ("training.generate:main", "continue a prompt with a saved checkpoint"),
+    "compare": ("training.compare:main", "a table of config differences and final metrics of runs, and a loss plot"),
     "study": ("training.study:main", "the normalization study: a grid of small runs, plots and a report"),
 }
 

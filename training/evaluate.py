@@ -1,8 +1,11 @@
-"""`normlab evaluate`: loss, perplexity and bits per byte of a saved checkpoint on held-out tokens.
+"""`normlab evaluate`: loss, perplexity and bits per byte of saved checkpoints on held-out tokens.
 
 By default it evaluates exactly the validation windows the run itself validated on (same data directory,
-sequence length and window starts), so its loss equals the run's logged `val/loss` at that step. The numbers go
-to a JSON file and into the run's TensorBoard (`eval/<split>/loss|ppl|bpb` at the checkpoint's step).
+sequence length and window starts), so its loss equals the run's logged `val/loss` at that step. `--data` takes
+several prepared directories instead, optionally named (`--data web=data/a books=data/b`), each checked against
+the checkpoint's tokenizer. The numbers go into the run's TensorBoard (`eval/<set>/loss|ppl|bpb` at the
+checkpoint's step); `--checkpoint runs/NAME` evaluates every checkpoint of the run (training/eval_history.py);
+`--tasks` runs lm-evaluation-harness tasks (training/harness.py).
 """
 from __future__ import annotations
 
@@ -10,7 +13,9 @@ import argparse
 import json
 import logging
 import math
+import re
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -22,8 +27,8 @@ from tqdm import tqdm
 from data.dataset import gather, val_starts
 from data.meta import load_tokenizer, open_tokens, read_meta
 from data.tokenizer import sha256_file
-from training.checkpoint import write_text_atomic
-from training.errors import report
+from training.checkpoint import MANIFEST, read_manifest, write_text_atomic
+from training.errors import UserError, report
 from training.loading import CheckpointError, load_checkpoint
 
 log = logging.getLogger(__name__)
@@ -37,91 +42,223 @@ def piece_bytes(tokenizer_path: Path, vocab_size: int) -> np.ndarray:
     return out
 
 
-def evaluate(checkpoint: str | Path, data: str | Path | None = None, split: str = "val",
-             max_tokens: int | None = None, batch_size: int = 8, device: str | None = None,
-             log_to_run: bool = True) -> dict[str, Any]:
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    loaded = load_checkpoint(checkpoint, device=device)
-    data_dir = Path(data) if data is not None else loaded.data_path
-    if data_dir is None:
-        raise CheckpointError(f"'{checkpoint}' does not record its data directory; pass --data DIR")
-    meta = read_meta(data_dir)
-    if meta is None:
-        raise CheckpointError(f"no prepared data at '{data_dir}' (no meta.json); run `normlab prepare` or pass --data")
-    if loaded.tokenizer_path is not None and loaded.tokenizer_path.is_file():
-        if sha256_file(loaded.tokenizer_path) != meta["tokenizer_sha256"]:
-            raise CheckpointError(
-                f"'{data_dir}' was prepared with a different tokenizer (sha256 {meta['tokenizer_sha256'][:12]}…) than "
-                f"the one '{checkpoint}' was trained with ({loaded.tokenizer_path}); evaluate on data prepared with "
-                f"`normlab prepare --tokenizer {loaded.tokenizer_path}`")
-    if split not in meta["splits"]:
-        raise CheckpointError(f"split {split!r} is not in '{data_dir}'; choose one of {sorted(meta['splits'])}")
-    model = loaded.model
-    run_data = loaded.run_config.get("data") or {}
-    seq_len = min(int(run_data.get("seq_len") or model.cfg.max_seq_len), model.cfg.max_seq_len)
-    tokens = open_tokens(data_dir, meta, split)
-    if max_tokens is not None:
-        n_windows = max(1, max_tokens // seq_len)
-    elif run_data.get("val_batches") and run_data.get("batch_size"):  # the run's own validation set
-        n_windows = int(run_data["val_batches"]) * int(run_data["batch_size"])
-    else:
-        n_windows = min(128, max(1, (len(tokens) - 1) // seq_len))
-    starts = val_starts(len(tokens), seq_len, n_windows)
-    nbytes = piece_bytes(data_dir / meta["tokenizer_path"], model.cfg.vocab_size)
+@dataclass
+class HeldOut:
+    """One held-out set, ready to score: the windows of `split` of a prepared directory, named `name`."""
 
+    name: str
+    data_dir: Path
+    meta: dict[str, Any]
+    split: str
+    seq_len: int
+    tokens: np.ndarray
+    starts: np.ndarray
+
+    def settings(self) -> dict[str, Any]:
+        """What the numbers depend on besides the weights: equal settings, equal windows of equal tokens."""
+        return {"data": str(self.data_dir.resolve()), "split": self.split, "seq_len": self.seq_len,
+                "windows": len(self.starts), "split_tokens": int(self.meta["splits"][self.split]["tokens"]),
+                "tokenizer_sha256": self.meta["tokenizer_sha256"]}
+
+
+def parse_sets(specs: list[str] | None) -> list[tuple[str | None, Path | None]]:
+    """`--data` values → [(name or None, directory)]; None → the run's own data, [(None, None)]."""
+    if not specs:
+        return [(None, None)]
+    sets = []
+    for spec in specs:
+        name, sep, path = spec.partition("=")
+        if not sep or Path(spec).exists():  # a plain directory (even one whose name holds '=')
+            sets.append((None, Path(spec)))
+        elif not _SET_NAME.fullmatch(name):
+            raise ValueError(f"--data {spec}: the set name {name!r} must be letters, digits, '_', '-' or '.'")
+        else:
+            sets.append((name, Path(path)))
+    return sets
+
+
+_SET_NAME = re.compile(r"[A-Za-z0-9_.\-]+")
+
+
+def plan_sets(specs: list[tuple[str | None, Path | None]], run_config: dict[str, Any], max_seq_len: int,
+              tokenizer_sha256: str | None, where: str, split: str = "val",
+              max_tokens: int | None = None) -> list[HeldOut]:
+    """The held-out sets to score for a checkpoint (`where`, for messages) trained with the tokenizer whose
+    sha256 is `tokenizer_sha256` (None: unknown, not checked). Unnamed sets are called `split` when there is one,
+    else after their directory."""
+    run_data = run_config.get("data") or {}
+    seq_len = min(int(run_data.get("seq_len") or max_seq_len), max_seq_len)
+    out: list[HeldOut] = []
+    for name, data_dir in specs:
+        if data_dir is None:
+            if not run_data.get("path"):
+                raise CheckpointError(f"'{where}' does not record its data directory; pass --data DIR")
+            data_dir = Path(run_data["path"])
+        meta = read_meta(data_dir)
+        if meta is None:
+            raise CheckpointError(f"no prepared data at '{data_dir}' (no meta.json); run `normlab prepare` or "
+                                  "pass --data")
+        if tokenizer_sha256 is not None and tokenizer_sha256 != meta["tokenizer_sha256"]:
+            raise CheckpointError(
+                f"'{data_dir}' was prepared with a different tokenizer (sha256 {meta['tokenizer_sha256'][:12]}…) "
+                f"than the one '{where}' was trained with (sha256 {tokenizer_sha256[:12]}…); evaluate on data "
+                "prepared with `normlab prepare --tokenizer <the run's tokenizer.model>`")
+        if split not in meta["splits"]:
+            raise CheckpointError(f"split {split!r} is not in '{data_dir}'; choose one of {sorted(meta['splits'])}")
+        tokens = open_tokens(data_dir, meta, split)
+        if max_tokens is not None:
+            n_windows = max(1, max_tokens // seq_len)
+        elif data_dir == Path(run_data.get("path") or "") and run_data.get("val_batches") and run_data.get(
+                "batch_size"):  # the run's own validation set
+            n_windows = int(run_data["val_batches"]) * int(run_data["batch_size"])
+        else:
+            n_windows = min(128, max(1, (len(tokens) - 1) // seq_len))
+        if name is None:
+            name = split if len(specs) == 1 else data_dir.resolve().name
+        out.append(HeldOut(name, data_dir, meta, split, seq_len, tokens, val_starts(len(tokens), seq_len, n_windows)))
+    names = [h.name for h in out]
+    if len(set(names)) != len(names):
+        raise ValueError(f"--data: two sets are called {min(n for n in names if names.count(n) > 1)!r}; "
+                         "name them: --data NAME=DIR ...")
+    return out
+
+
+def checkpoint_tokenizer_sha256(checkpoint: str | Path, loaded_tokenizer: Path | None) -> str | None:
+    """The sha256 of the tokenizer a checkpoint was trained with: its manifest's record, else the file's."""
+    manifest = Path(checkpoint) / MANIFEST
+    if manifest.is_file():
+        recorded = read_manifest(Path(checkpoint)).get("tokenizer_hash")
+        if recorded:
+            return recorded
+    if loaded_tokenizer is not None and loaded_tokenizer.is_file():
+        return sha256_file(loaded_tokenizer)
+    return None
+
+
+def score(model: torch.nn.Module, held: HeldOut, batch_size: int, device: str) -> dict[str, Any]:
+    """Loss, perplexity and bits per byte of `model` on the windows of `held`."""
+    nbytes = piece_bytes(held.data_dir / held.meta["tokenizer_path"], model.cfg.vocab_size)
     total, count, total_bytes = 0.0, 0, 0
-    batches = range(0, len(starts), batch_size)
+    batches = range(0, len(held.starts), batch_size)
     with torch.no_grad():
-        for b in tqdm(batches, desc="evaluate", disable=len(batches) < 4 or not sys.stderr.isatty()):
-            window = gather(tokens, starts[b:b + batch_size], seq_len + 1)
+        for b in tqdm(batches, desc=f"evaluate {held.name}", disable=len(batches) < 4 or not sys.stderr.isatty()):
+            window = gather(held.tokens, held.starts[b:b + batch_size], held.seq_len + 1)
             x = torch.from_numpy(window).to(device)
             logits = model(x[:, :-1])
             total += F.cross_entropy(logits.flatten(0, 1).float(), x[:, 1:].flatten(), reduction="sum").item()
             count += x[:, 1:].numel()
             total_bytes += int(nbytes[window[:, 1:]].sum())
     loss = total / count
-    result = {
-        "checkpoint": str(checkpoint), "step": loaded.step, "data": str(data_dir), "split": split,
-        "seq_len": seq_len, "tokens": count, "bytes": total_bytes, "loss": loss,
+    return {
+        "set": held.name, "data": str(held.data_dir), "split": held.split, "seq_len": held.seq_len,
+        "tokens": count, "bytes": total_bytes, "loss": loss,
         "perplexity": math.exp(loss) if loss < 700 else math.inf,
         "bits_per_byte": loss / math.log(2) * count / max(total_bytes, 1),
     }
+
+
+def evaluate_sets(checkpoint: str | Path, data: list[str] | None = None, split: str = "val",
+                  max_tokens: int | None = None, batch_size: int = 8, device: str | None = None,
+                  log_to_run: bool = True) -> list[dict[str, Any]]:
+    """Score one checkpoint on each `--data` set (None: the run's own validation windows)."""
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    loaded = load_checkpoint(checkpoint, device=device)
+    sets = plan_sets(parse_sets(data), loaded.run_config, loaded.model.cfg.max_seq_len,
+                     checkpoint_tokenizer_sha256(checkpoint, loaded.tokenizer_path), str(checkpoint), split, max_tokens)
+    results = [{"checkpoint": str(checkpoint), "step": loaded.step, **score(loaded.model, held, batch_size, device)}
+               for held in sets]
     if log_to_run and loaded.run_dir is not None and loaded.step is not None:
-        _log_to_tensorboard(loaded.run_dir, split, result)
-    return result
+        log_to_tensorboard(loaded.run_dir, results)
+    return results
 
 
-def _log_to_tensorboard(run_dir: Path, split: str, result: dict[str, Any]) -> None:
+def evaluate(checkpoint: str | Path, data: str | Path | None = None, split: str = "val",
+             max_tokens: int | None = None, batch_size: int = 8, device: str | None = None,
+             log_to_run: bool = True) -> dict[str, Any]:
+    """`evaluate_sets` on one set (`data`, or the run's own)."""
+    return evaluate_sets(checkpoint, None if data is None else [str(data)], split, max_tokens, batch_size, device,
+                         log_to_run)[0]
+
+
+def log_to_tensorboard(run_dir: Path, results: list[dict[str, Any]]) -> None:
+    """`eval/<set>/loss|ppl|bpb` at each result's step, in the run's own TensorBoard directory."""
     from torch.utils.tensorboard import SummaryWriter
 
     with SummaryWriter(str(run_dir)) as writer:
-        for key, tag in (("loss", "loss"), ("perplexity", "ppl"), ("bits_per_byte", "bpb")):
-            writer.add_scalar(f"eval/{split}/{tag}", result[key], result["step"])
+        for result in results:
+            for key, tag in (("loss", "loss"), ("perplexity", "ppl"), ("bits_per_byte", "bpb")):
+                writer.add_scalar(f"eval/{result['set']}/{tag}", result[key], result["step"])
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="normlab evaluate", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--checkpoint", required=True, help="a step directory, a .ckpt/.pt/.safetensors file or an export")
-    ap.add_argument("--data", default=None, help="prepared data directory (default: the run's own)")
+    ap.add_argument("--checkpoint", required=True,
+                    help="a step directory, a .ckpt/.pt/.safetensors file, an export, or a run directory "
+                         "runs/NAME (every complete checkpoint, results in runs/NAME/eval/)")
+    ap.add_argument("--data", nargs="+", default=None, metavar="[NAME=]DIR",
+                    help="prepared data directories, optionally named (default: the run's own validation set)")
     ap.add_argument("--split", default="val", help="which split to evaluate (default: val)")
     ap.add_argument("--max-tokens", type=int, default=None,
                     help="evaluate about this many tokens, spread over the split (default: the run's validation set)")
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--device", default=None, help="cpu | cuda (default: cuda when available)")
-    ap.add_argument("--output", type=Path, default=None, help="write the numbers to this JSON file")
+    ap.add_argument("--output", type=Path, default=None,
+                    help="write the numbers to this JSON file (one checkpoint: a dict for one set, {'sets': {name: "
+                         "dict}} for several)")
+    harness = ap.add_argument_group("downstream tasks (lm-evaluation-harness, `pip install -e \".[eval]\"`)")
+    harness.add_argument("--tasks", default=None,
+                         help="comma-separated harness tasks, e.g. hellaswag,arc_easy (instead of held-out loss)")
+    harness.add_argument("--num-fewshot", type=int, default=None, help="few-shot examples (default: the task's)")
+    harness.add_argument("--limit", type=int, default=None, help="at most this many examples per task")
+    harness.add_argument("--include-path", default=None, help="a directory of your own YAML task definitions")
     args = ap.parse_args(argv)
+    from training.eval_history import evaluate_run, is_run_dir
+
     try:
-        result = evaluate(args.checkpoint, args.data, args.split, args.max_tokens, args.batch_size, args.device)
+        if args.tasks:
+            return _run_tasks(args, is_run_dir(args.checkpoint))
+        if is_run_dir(args.checkpoint):
+            if args.output is not None:
+                raise ValueError("--output: a run's results go to <run>/eval/; leave --output out, or evaluate one "
+                                 "checkpoint directory")
+            evaluate_run(args.checkpoint, args.data, args.split, args.max_tokens, args.batch_size, args.device)
+            return 0
+        results = evaluate_sets(args.checkpoint, args.data, args.split, args.max_tokens, args.batch_size,
+                                args.device)
     except (CheckpointError, ValueError) as err:
         return report("evaluate", err)
     if args.output:
-        write_text_atomic(args.output, json.dumps(result, indent=2) + "\n")
-    print(f"step {result['step']}: {split_line(result)}")
+        out = results[0] if len(results) == 1 else {"sets": {r["set"]: r for r in results}}
+        write_text_atomic(args.output, json.dumps(out, indent=2) + "\n")
+    for result in results:
+        print(f"step {result['step']}: {split_line(result)}")
+    return 0
+
+
+def _run_tasks(args: argparse.Namespace, run_dir: bool) -> int:
+    """`--tasks`: the harness on one checkpoint (its errors are CheckpointError/ValueError, reported by main)."""
+    try:
+        from training.harness import run_tasks
+    except ModuleNotFoundError as err:
+        if (err.name or "").split(".")[0] != "lm_eval":
+            raise
+        return report("evaluate", UserError('--tasks needs lm-evaluation-harness, which is not installed: '
+                                            'pip install -e ".[eval]"'))
+    if run_dir or args.data:
+        raise ValueError("--tasks takes one checkpoint (a step directory or an export) and no --data")
+    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    results = run_tasks(args.checkpoint, tasks, args.num_fewshot, args.limit, args.batch_size, args.device,
+                        args.output, args.include_path)
+    for task, metrics in results["results"].items():
+        shown = ", ".join(f"{k.split(',')[0]} {v:.4f}" for k, v in metrics.items()
+                          if isinstance(v, float) and "_stderr" not in k)
+        print(f"{task}: {shown}")
     return 0
 
 
 def split_line(r: dict[str, Any]) -> str:
-    return (f"{r['split']} loss {r['loss']:.4f}, perplexity {r['perplexity']:.2f}, {r['bits_per_byte']:.4f} bits/byte "
+    name = r["split"] if r.get("set", r["split"]) == r["split"] else f"{r['set']} ({r['split']})"
+    return (f"{name} loss {r['loss']:.4f}, perplexity {r['perplexity']:.2f}, {r['bits_per_byte']:.4f} bits/byte "
             f"over {r['tokens']:,} tokens")
 
 

@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import json
+import os
 import random
+import time
 from pathlib import Path
 
 import numpy as np
@@ -11,7 +13,19 @@ from lightning.pytorch import Callback
 
 
 class StopAtStep(Callback):
-    """Ends training after optimizer step `step`, like a job killed between checkpoints: nothing is saved."""
+    """Ends the process after optimizer step `step`, like a job killed between checkpoints: nothing is saved.
+    (An exception, not `trainer.should_stop`: a fit that ends normally saves its final step.)"""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_start(self, trainer, pl_module, *args) -> None:
+        if trainer.global_step >= self.step:
+            raise SystemExit(0)
+
+
+class RequestStop(Callback):
+    """Asks the trainer to stop after optimizer step `step` (`trainer.should_stop`), as early stopping does."""
 
     def __init__(self, step: int) -> None:
         self.step = step
@@ -19,6 +33,27 @@ class StopAtStep(Callback):
     def on_train_batch_end(self, trainer, pl_module, *args) -> None:
         if trainer.global_step >= self.step:
             trainer.should_stop = True
+
+
+class WaitForSignal(Callback):
+    """On rank `rank`, before the first micro-batch of update `step` + 1, writes the process id to `marker` and
+    waits (up to `timeout` s) until the file `marker`.sent exists — the test signals the process, then creates
+    it — so the signal lands at a known point mid-run (see tests.helpers.faults.signal_when_waiting)."""
+
+    def __init__(self, step: int, marker: str, rank: int = 0, timeout: float = 120.0) -> None:
+        self.step, self.marker, self.rank, self.timeout = step, Path(marker), rank, timeout
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if (trainer.global_rank != self.rank or trainer.global_step != self.step
+                or batch_idx % trainer.accumulate_grad_batches):
+            return
+        sent = self.marker.with_name(self.marker.name + ".sent")
+        tmp = self.marker.with_name(self.marker.name + ".tmp")
+        tmp.write_text(str(os.getpid()))
+        tmp.replace(self.marker)  # the test reads a whole process id
+        deadline = time.monotonic() + self.timeout
+        while not sent.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
 
 
 class RNGProbe(Callback):

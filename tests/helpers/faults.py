@@ -71,3 +71,24 @@ def kill_when_paused(args: list[str], cwd: Path, fault: str, marker: Path, timeo
     out = proc.communicate(timeout=60)[0]
     assert proc.returncode == -signal.SIGKILL, proc.returncode
     return out
+
+
+def signal_when_waiting(args: list[str], cwd: Path, marker: Path, log: Path, signum: int = signal.SIGTERM,
+                        timeout: float = 300) -> int:
+    """Run `normlab <args>` (its config attaches tests.helpers.callbacks.WaitForSignal with `marker`); when the
+    waiting rank has written its process id to `marker`, send it `signum` — that process only — then let it go on.
+    Returns the exit status; the output goes to `log`."""
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "training.cli", *args], cwd=cwd, env=cpu_env(), stdout=out,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            deadline = time.monotonic() + timeout
+            while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert marker.exists(), f"no rank waited for the signal:\n{log.read_text()[-4000:]}"
+            os.kill(int(marker.read_text()), signum)
+            marker.with_name(marker.name + ".sent").touch()
+            return proc.wait(timeout=timeout)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)

@@ -9,6 +9,10 @@ Lightning's DeepSpeed strategy bypasses Lightning's own atomic save — so it is
 4. only then are old checkpoints purged (`keep_last_n`).
 A kill at any point leaves either the previous checkpoints untouched or a complete new one.
 
+Every fit that ends normally also saves the step it ended at (unless that step is saved already): at
+`max_steps`, when another callback stops it (`trainer.should_stop`), and on SIGTERM or Ctrl-C, after which the
+ranks agree to stop after the same step (`stop_signals.py`) and the run exits cleanly once it is saved.
+
 A rank whose file write fails does not raise at once: it would leave the other ranks waiting forever in the
 save's remaining collectives. Its error is held until the save is over on every rank, then gathered, and every
 rank raises the same error, naming the rank and its cause.
@@ -33,6 +37,7 @@ from typing import Any
 
 from lightning.pytorch import Callback, LightningModule, Trainer
 
+from training.callbacks.stop_signals import StopSignals
 from training.checkpoint import (CONFIG_FILE, DEEPSPEED_TAG, LIGHTNING_FILE, MANIFEST, MODEL_CONFIG_FILE, TMP_PREFIX,
                                  CheckpointError, checkpoints_dir, ckpt_dir_of, complete_checkpoints, config_hash,
                                  file_hash, file_sizes, fsync_path, git_revision, incomplete_checkpoints, move_aside,
@@ -102,7 +107,8 @@ def _zero_stage(trainer: Trainer) -> int | None:
 
 class StepCheckpoint(Callback):
     """Saves every `every_n_steps` optimizer steps into `<run dir>/checkpoints/step-XXXXXXXX/`, atomically (see
-    the module docstring), keeping the newest `keep_last_n` complete checkpoints (None: all).
+    the module docstring), keeping the newest `keep_last_n` complete checkpoints (None: all), and the step the
+    fit ends at — also on SIGTERM / Ctrl-C. `every_n_steps=0` disables every checkpoint, the final one too.
 
     The run directory is the trainer's `default_root_dir` (the CLI sets it to `runs/<name>`).
     `resolved_config` is the YAML text of the run's full configuration and `resume_from` the resolved
@@ -119,6 +125,8 @@ class StepCheckpoint(Callback):
         self.resolved_config: str | None = None
         self.resume_from: str | None = None
         self._last_saved = -1
+        self._boundary = -1  # the global step of the last update boundary seen
+        self._signals = StopSignals()
         self._git_revision = "unknown"
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
@@ -140,7 +148,8 @@ class StepCheckpoint(Callback):
         trainer.strategy.barrier("StepCheckpoint.setup")
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._last_saved = trainer.global_step  # never re-save the step a run resumed from
+        self._last_saved = self._boundary = trainer.global_step  # never re-save the step a run resumed from
+        self._signals.install(trainer)  # after Lightning installed its own handlers (see stop_signals.py)
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
         if trainer.is_global_zero:
@@ -149,8 +158,33 @@ class StepCheckpoint(Callback):
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
         step = trainer.global_step
         # Called once per micro-batch: with gradient accumulation the step repeats until the next update.
-        if self.every_n_steps and step % self.every_n_steps == 0 and step != self._last_saved:
-            self.save(trainer, pl_module)
+        if step == self._boundary:
+            return
+        self._boundary = step
+        stop = self._signals.agreed(trainer)  # a collective, at every update boundary of every rank
+        last = stop or 0 < trainer.max_steps <= step
+        if self.every_n_steps and (last or step % self.every_n_steps == 0) and step != self._last_saved:
+            path = self.save(trainer, pl_module)
+            if last:
+                self._announce(path, trainer)
+        if stop:
+            # Ends the fit after this step, as max_steps does (trainer.should_stop would run one more validation).
+            trainer.fit_loop.epoch_loop.max_steps = step
+            if trainer.is_global_zero:
+                log.warning("stopping after step %d on %s", step, self._signals.received or "another rank's signal")
+
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._signals.restore()
+        # A fit stopped by another callback (trainer.should_stop) ends between the boundaries saved above.
+        if self.every_n_steps and trainer.global_step != self._last_saved:
+            self._announce(self.save(trainer, pl_module), trainer)
+
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        self._signals.restore()
+
+    def _announce(self, path: Path, trainer: Trainer) -> None:
+        if trainer.is_global_zero:
+            log.info("final checkpoint (step %d): %s — continue with --ckpt_path last", trainer.global_step, path)
 
     def save(self, trainer: Trainer, pl_module: LightningModule) -> Path:
         step = trainer.global_step

@@ -1,0 +1,46 @@
+"""`normlab compare` on two tiny real runs that differ in one setting."""
+from __future__ import annotations
+
+import pytest
+
+from tests.helpers.multiproc import REPO, run_normlab
+from tests.helpers.runs import scalars
+from training.compare import main
+
+pytestmark = pytest.mark.slow
+
+HELPERS = REPO / "tests" / "helpers"
+
+
+def test_compare_two_runs(workdir, tmp_path, capsys):
+    runs = workdir / "runs"
+    for name, extra in (("rms", []), ("ln", ["--model.norm", "layernorm"])):
+        run_normlab(["fit", "-c", str(HELPERS / "tiny.yaml"), "--data.path", str(workdir / "tiny"), "--runs_dir",
+                     str(runs), "--name", name, "--metrics.every_n_steps", "2", *extra], cwd=workdir)
+    plot = tmp_path / "loss.png"
+    assert main([str(runs / "rms"), str(runs / "ln"), "--last", "2", "--plot", str(plot)]) == 0
+    out = capsys.readouterr().out
+    differences, metrics = out.split("final metrics")
+
+    # The one setting changed is the one difference (run names and directories are not differences).
+    rows = [line.split() for line in differences.splitlines()[3:] if line.strip()]
+    assert rows == [["model.norm", "None", "layernorm"]]
+
+    table = {line.split()[0]: line.split() for line in metrics.splitlines()[3:] if line.strip()}
+    for name in ("rms", "ln"):
+        run = runs / name
+        val = scalars(run, "val/loss")  # validated at steps 4 and 8
+        spread = abs(val[8] - val[4]) / 2  # the std of two numbers
+        last = {tag: (points := scalars(run, tag))[max(points)] for tag in (
+            "resid/final_in", "resid/rms/L0", "attn/max_logit/L0", "attn/max_logit/L1")}  # the last logged values
+        resid = last["resid/final_in"] / last["resid/rms/L0"]
+        logit = max(last["attn/max_logit/L0"], last["attn/max_logit/L1"])
+        row = table[name]
+        assert row[1:4] == [f"{val[8]:.4f}", "±", f"{spread:.4f}"]
+        assert row[5:7] == ["8", f"{8 * 4 * 16 * 2:,}"]  # steps; tokens = steps x batch x seq_len x accumulation
+        assert row[8:] == [f"{logit:.2f}", f"{resid:.2f}"]
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    assert main([str(workdir / "tiny"), "--plot", str(tmp_path / "x.png")]) == 2
+    assert capsys.readouterr().err.startswith(f"normlab compare: error: '{workdir / 'tiny'}' is not a normlab run")
+    assert not (tmp_path / "x.png").exists()

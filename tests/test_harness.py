@@ -1,0 +1,112 @@
+"""`normlab evaluate --tasks`: lm-evaluation-harness on a normlab checkpoint, offline, against the harness's own
+Hugging Face model (`hf`) on `normlab export`'s output — a local YAML multiple-choice task over a local JSONL."""
+from __future__ import annotations
+
+import json
+import random
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.helpers.data import WORDS
+from tests.helpers.multiproc import REPO, run_normlab
+from training.evaluate import main as evaluate_main
+
+HELPERS = REPO / "tests" / "helpers"
+TASK = "normlab_tiny_mc"
+MISSING = 'lm-evaluation-harness is the optional extra: pip install -e ".[eval]"'
+
+
+def test_missing_extra_is_one_clear_line(monkeypatch, capsys, tmp_path):
+    monkeypatch.setitem(sys.modules, "lm_eval", None)  # as if not installed: importing it fails
+    monkeypatch.delitem(sys.modules, "training.harness", raising=False)
+    assert evaluate_main(["--checkpoint", str(tmp_path), "--tasks", "hellaswag"]) == 2
+    assert capsys.readouterr().err == ('normlab evaluate: error: --tasks needs lm-evaluation-harness, which is not '
+                                       'installed: pip install -e ".[eval]"\n')
+
+
+@pytest.fixture(scope="module")
+def exported(workdir) -> tuple[Path, Path]:
+    """A 4-step checkpoint of a tiny run and its Hugging Face export."""
+    pytest.importorskip("lm_eval", reason=MISSING)
+    run_normlab(["fit", "-c", str(HELPERS / "tiny.yaml"), "--data.path", str(workdir / "tiny"), "--runs_dir",
+                 str(workdir / "runs"), "--name", "harness", "--trainer.max_steps", "4"], cwd=workdir)
+    ckpt = workdir / "runs" / "harness" / "checkpoints" / "step-00000004"
+    run_normlab(["export", "--checkpoint", str(ckpt), "--output", str(workdir / "hf")], cwd=workdir)
+    return ckpt, workdir / "hf"
+
+
+def write_task(root: Path) -> Path:
+    """A multiple-choice task over 12 local items: which word continues a phrase of the tiny corpus."""
+    rng = random.Random(0)
+    items = []
+    for _ in range(12):
+        choices = rng.sample(WORDS, 4)
+        items.append({"question": " ".join(rng.choice(WORDS) for _ in range(rng.randint(0, 6))),
+                      "choices": [f" {c}" for c in choices], "answer": rng.randrange(4)})
+    items[0]["question"] = ""  # an empty context: conditioned on BOS/EOS, as `hf` does
+    (root / "items.jsonl").write_text("".join(json.dumps(item) + "\n" for item in items))
+    (root / f"{TASK}.yaml").write_text(f"""task: {TASK}
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {root / 'items.jsonl'}
+test_split: test
+output_type: multiple_choice
+doc_to_text: "{{{{question}}}}"
+target_delimiter: ""
+doc_to_choice: "{{{{choices}}}}"
+doc_to_target: answer
+metric_list:
+  - metric: acc
+""")
+    return root
+
+
+@pytest.mark.slow
+def test_multiple_choice_equals_the_harness_hf_model_on_the_export(exported, tmp_path, capsys):
+    pytest.importorskip("lm_eval", reason=MISSING)
+    from lm_eval import simple_evaluate
+    from lm_eval.tasks import TaskManager
+
+    from training.harness import run_tasks
+
+    ckpt, hf_dir = exported
+    tasks = write_task(tmp_path)
+    ours = run_tasks(ckpt, [TASK], batch_size=5, include_path=str(tasks), log_samples=True)
+    theirs = simple_evaluate(model="hf", model_args={"pretrained": str(hf_dir), "dtype": "float32", "device": "cpu"},
+                             tasks=[TASK], batch_size=3, task_manager=TaskManager(include_path=str(tasks)),
+                             log_samples=True, bootstrap_iters=0)
+    assert ours["results"][TASK]["acc,none"] == theirs["results"][TASK]["acc,none"]
+    ll = {doc["doc_id"]: [r[0] for r in doc["resps"]] for doc in ours["samples"][TASK]}
+    ref = {doc["doc_id"]: [r[0] for r in doc["resps"]] for doc in theirs["samples"][TASK]}
+    assert len(ll) == 12 and ll.keys() == ref.keys()
+    for doc_id, expected in ref.items():
+        assert len(ll[doc_id]) == 4
+        for (ours_ll, ours_greedy), (ref_ll, ref_greedy) in zip(ll[doc_id], expected):
+            assert abs(ours_ll - ref_ll) <= 1e-4 and ours_greedy == ref_greedy, doc_id
+    # The harness's results JSON sits beside the run's other results.
+    written = json.loads((ckpt.parent.parent / "eval" / "lm_eval" / "step-00000004.json").read_text())
+    assert written["results"][TASK]["acc,none"] == ours["results"][TASK]["acc,none"]
+
+
+@pytest.mark.slow
+def test_rolling_and_generation_equal_the_harness_hf_model(exported):
+    pytest.importorskip("lm_eval", reason=MISSING)
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.huggingface import HFLM
+
+    from training.harness import NormlabLM
+    from training.loading import load_checkpoint
+
+    ckpt, hf_dir = exported
+    loaded = load_checkpoint(ckpt)
+    ours = NormlabLM(loaded.model, loaded.tokenizer_path, batch_size=2)
+    theirs = HFLM(pretrained=str(hf_dir), dtype="float32", device="cpu", batch_size=2)
+    text = " ".join(random.Random(1).choice(WORDS) for _ in range(40))  # longer than max_seq_len: several windows
+    rolling = [Instance("loglikelihood_rolling", {}, (text,), 0)]
+    assert ours.loglikelihood_rolling(rolling, disable_tqdm=True)[0] == pytest.approx(
+        theirs.loglikelihood_rolling(rolling, disable_tqdm=True)[0], abs=1e-4)
+    gen = [Instance("generate_until", {}, ("the cat sat on", {"until": ["."], "max_gen_toks": 8}), 0)]
+    assert ours.generate_until(gen, disable_tqdm=True) == theirs.generate_until(gen, disable_tqdm=True)

@@ -1,0 +1,105 @@
+"""`normlab evaluate --checkpoint runs/NAME`: every complete checkpoint of a run, in step order.
+
+Results go to the run directory, next to its TensorBoard events:
+
+    runs/NAME/eval/<set>/step-XXXXXXXX.json   one file per step (the numbers and the settings they depend on)
+    runs/NAME/eval/<set>.csv                  one row per step, rebuilt from those files
+
+and to TensorBoard as `eval/<set>/loss|ppl|bpb` at each step, beside the run's `val/loss`. A step whose file
+holds the same settings (data directory, split, sequence length, windows, tokenizer) is skipped without loading
+its weights, so re-running after more training evaluates only the new checkpoints. Each file is written
+atomically, once its step is scored: an interrupted evaluation resumes where it stopped.
+"""
+from __future__ import annotations
+
+import csv
+import io
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+
+from training.checkpoint import (CONFIG_FILE, MANIFEST, MODEL_CONFIG_FILE, checkpoints_dir, complete_checkpoints,
+                                 read_manifest, step_dirname, write_text_atomic)
+from training.evaluate import log_to_tensorboard, parse_sets, plan_sets, score, split_line
+from training.loading import CheckpointError, load_checkpoint
+
+log = logging.getLogger(__name__)
+
+EVAL_DIR = "eval"
+CSV_FIELDS = ("step", "tokens_seen", "loss", "perplexity", "bits_per_byte", "tokens", "bytes", "split", "data",
+              "checkpoint")
+
+
+def is_run_dir(path: str | Path) -> bool:
+    """A run directory (`runs/NAME`, holding `checkpoints/`), as opposed to one checkpoint or an export."""
+    path = Path(path)
+    return path.is_dir() and not (path / MANIFEST).is_file() and checkpoints_dir(path).is_dir()
+
+
+def result_path(run_dir: Path, name: str, step: int) -> Path:
+    return Path(run_dir) / EVAL_DIR / name / f"{step_dirname(step)}.json"
+
+
+def _done(path: Path, settings: dict[str, Any]) -> bool:
+    try:
+        return json.loads(path.read_text()).get("settings") == settings
+    except (OSError, ValueError):
+        return False
+
+
+def evaluate_run(run_dir: str | Path, data: list[str] | None = None, split: str = "val",
+                 max_tokens: int | None = None, batch_size: int = 8, device: str | None = None) -> list[dict[str, Any]]:
+    """Score every complete checkpoint of `run_dir` not yet scored with the same settings; returns the new results."""
+    run_dir = Path(run_dir)
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    checkpoints = complete_checkpoints(run_dir)
+    if not checkpoints:
+        raise CheckpointError(f"'{run_dir}' holds no complete checkpoint (none in {checkpoints_dir(run_dir)} has a "
+                              f"{MANIFEST}); train it first, or pass one checkpoint directory")
+    specs = parse_sets(data)
+    new: list[dict[str, Any]] = []
+    for ckpt in checkpoints:
+        manifest = read_manifest(ckpt)
+        run_config = yaml.safe_load((ckpt / CONFIG_FILE).read_text()) if (ckpt / CONFIG_FILE).is_file() else {}
+        model_config = json.loads((ckpt / MODEL_CONFIG_FILE).read_text())
+        sets = plan_sets(specs, run_config or {}, int(model_config["max_seq_len"]), manifest.get("tokenizer_hash"),
+                         str(ckpt), split, max_tokens)
+        todo = [held for held in sets if not _done(result_path(run_dir, held.name, manifest["step"]), held.settings())]
+        if not todo:
+            log.info("%s: already evaluated with these settings, skipped", ckpt.name)
+            continue
+        loaded = load_checkpoint(ckpt, device=device)
+        for held in todo:
+            result = {"checkpoint": str(ckpt), "step": manifest["step"], "tokens_seen": manifest.get("tokens_seen"),
+                      **score(loaded.model, held, batch_size, device), "settings": held.settings()}
+            write_text_atomic(_mkdir(result_path(run_dir, held.name, result["step"])), json.dumps(result, indent=2)
+                              + "\n")
+            log_to_tensorboard(run_dir, [result])
+            log.info("step %d: %s", result["step"], split_line(result))
+            new.append(result)
+        for held in todo:
+            write_csv(run_dir, held.name)
+    for name in sorted({r["set"] for r in new}):
+        log.info("results: %s and %s/", run_dir / EVAL_DIR / f"{name}.csv", run_dir / EVAL_DIR / name)
+    return new
+
+
+def _mkdir(path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def write_csv(run_dir: Path, name: str) -> Path:
+    """`eval/<name>.csv`: one row per step from the step files, in step order (rewritten atomically)."""
+    rows = [json.loads(p.read_text()) for p in sorted((Path(run_dir) / EVAL_DIR / name).glob("step-*.json"))]
+    buffer = io.StringIO()
+    writer = csv.DictWriter(buffer, fieldnames=CSV_FIELDS, extrasaction="ignore", lineterminator="\n")
+    writer.writeheader()
+    writer.writerows(rows)
+    path = Path(run_dir) / EVAL_DIR / f"{name}.csv"
+    write_text_atomic(path, buffer.getvalue())
+    return path

@@ -2,6 +2,7 @@
 resolution, RNG capture/restore, DeepSpeed config lookup, the LitLM override surface."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import random

@@ -8,10 +8,9 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import shutil
 from pathlib import Path
-
-import re
 
 import pytest
 import torch
@@ -81,6 +80,22 @@ def test_greedy_generation_equals_transformers(runs, workdir, tmp_path):
                         "--temperature", "0"], cwd=workdir)
     greedy = generate(load_checkpoint(runs["qwen3"]).model, ids, 8)[0, ids.shape[1]:]
     assert proc.stdout == prompt + tok.decode(greedy.tolist()) + "\n"  # temperature 0: the greedy tokens
+
+
+def test_qk_norm_gain_tags_in_tensorboard(runs):
+    """The README's QK-norm gain tags: per layer, mean/max/min of the q and k gains, logged at the step-0 audit
+    (where the gains are their init, 1), in a run with QK-norm (qwen3) — and none without it (llama)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    def tags(preset: str) -> set[str]:
+        acc = EventAccumulator(str(runs[preset].parent.parent))
+        acc.Reload()
+        return {t for t in acc.Tags()["scalars"] if t.startswith("qk_gain/")}
+
+    expected = {f"qk_gain/{qk}/{stat}/L{l}" for qk in "qk" for stat in ("mean", "max", "min") for l in range(2)}
+    assert tags("qwen3") == expected and tags("llama") == set()
+    for tag in expected:
+        assert scalars(runs["qwen3"].parent.parent, tag) == {0: 1.0}
 
 
 def test_evaluate_single_process_checkpoint(runs, workdir, tmp_path):

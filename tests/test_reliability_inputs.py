@@ -276,13 +276,16 @@ def test_loss_zscore_over_the_rolling_window():
 def test_fp16_loss_scale_overflows_are_the_scalers_not_faults(caplog):
     """Under fp16 with a dynamic loss scale (here Lightning's GradScaler), an overflowing gradient with a finite
     loss is routine — the scaler skips that update and lowers its scale: no abort, no skip count, logged. The
-    same gradient without a scaler is a fault (the default policy aborts)."""
+    same gradient without a scaler is a fault (the default policy aborts). (A real fp16 run is GPU-only: Lightning
+    turns 16-mixed into bf16-mixed on CPU.)"""
     model = torch.nn.Linear(2, 2)
     pl_module = SimpleNamespace(model=model, device=torch.device("cpu"), parameters=model.parameters)
     strategy = SimpleNamespace(reduce=lambda tensor, reduce_op: tensor)
+    logged = []
+    logger = SimpleNamespace(log_metrics=lambda values, step: logged.append((step, values)))
 
     def step(guard: NonFiniteGuard, scaler) -> None:
-        trainer = SimpleNamespace(strategy=strategy, world_size=1, global_step=0, is_global_zero=True, logger=None,
+        trainer = SimpleNamespace(strategy=strategy, world_size=1, global_step=0, is_global_zero=True, logger=logger,
                                   precision_plugin=SimpleNamespace(scaler=scaler))
         model.weight.grad = torch.full_like(model.weight, float("inf"))
         guard.on_before_backward(trainer, pl_module, torch.tensor(2.0))
@@ -294,5 +297,6 @@ def test_fp16_loss_scale_overflows_are_the_scalers_not_faults(caplog):
         step(guard, scaler=torch.amp.GradScaler("cpu"))
     assert guard.scaler_overflows == 1 and guard.skipped == 0 and guard.consecutive == 0
     assert "fp16 gradient overflow at step 1: the loss scaler skips it" in caplog.text
+    assert logged == [(1, {"guard/scaler_overflows": 1.0})]  # the README's tag, and nothing counted as skipped
     with pytest.raises(NonFiniteError, match=r"non-finite gradient, first in weight \(1 parameters\) at step 1"):
         step(NonFiniteGuard(), scaler=None)

@@ -78,8 +78,13 @@ def test_greedy_generation_equals_transformers(runs, workdir, tmp_path):
     assert torch.equal(ours, theirs)
     proc = run_normlab(["generate", "--checkpoint", str(runs["qwen3"]), "--prompt", prompt, "--max-new-tokens", "8",
                         "--temperature", "0"], cwd=workdir)
-    greedy = generate(load_checkpoint(runs["qwen3"]).model, ids, 8)[0, ids.shape[1]:]
-    assert proc.stdout == prompt + tok.decode(greedy.tolist()) + "\n"  # temperature 0: the greedy tokens
+    import sentencepiece as spm
+
+    sp = spm.SentencePieceProcessor(model_file=str(workdir / "tiny" / "tokenizer.model"))
+    room = 16 - ids.shape[1]  # the CLI stops at the model's max_seq_len (16) and at EOS
+    greedy = generate(load_checkpoint(runs["qwen3"]).model, ids, room, eos_id=sp.eos_id())[0, ids.shape[1]:]
+    new = [t for t in greedy.tolist() if t != sp.eos_id()]
+    assert new and proc.stdout == prompt + sp.decode(new) + "\n"  # temperature 0: the greedy tokens, decoded
 
 
 def test_qk_norm_gain_tags_in_tensorboard(runs):

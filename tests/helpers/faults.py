@@ -141,20 +141,20 @@ def _patches(point: str, step: int | None, rank: int | None) -> list:
             return commit(self, tmp, final, trainer, *args)
         return [mock.patch.object(StepCheckpoint, "_commit", commit_later)]
     if point in ("pause_mid_shard", "enospc_shard"):
-        def failing(original, path_of):
-            def write(self, obj, *args, **kwargs):
-                path = path_of(args, kwargs)
+        def failing(original, obj_key):
+            def write(self, *args, **kwargs):  # (obj, path, ...) positionally or by keyword
+                obj = args[0] if args else kwargs[obj_key]
+                path = args[1] if len(args) > 1 else kwargs["path"]
                 if not armed(_step_of(path), 0 if point == "pause_mid_shard" else None):
-                    return original(self, obj, *args, **kwargs)
+                    return original(self, *args, **kwargs)
                 if point == "enospc_shard":
                     return torch.save(obj, "/dev/full")  # a real write that fails: no space left on the device
                 _write_half(obj, str(path))
                 pause(f"{point}@{step} ({path})")
             return write
         return [mock.patch.object(TorchCheckpointIO, "save_checkpoint",
-                                  failing(TorchCheckpointIO.save_checkpoint, lambda a, k: a[0] if a else k["path"])),
-                mock.patch.object(TorchCheckpointEngine, "save",
-                                  failing(TorchCheckpointEngine.save, lambda a, k: a[0] if a else k["path"]))]
+                                  failing(TorchCheckpointIO.save_checkpoint, "checkpoint")),
+                mock.patch.object(TorchCheckpointEngine, "save", failing(TorchCheckpointEngine.save, "state_dict"))]
     if point == "enospc_manifest":
         write_text = step_checkpoint.write_text_atomic
 

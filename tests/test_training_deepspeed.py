@@ -59,11 +59,12 @@ def ckpt(run: Path, step: int) -> Path:
 
 
 def independent_flops_per_token(config: ModelConfig, seq_len: int) -> float:
-    """Training FLOPs per token counted from the built model: 6 per weight of every matrix multiply (the 2-D
-    weights but the embedding lookup; the LM head is one), plus causal attention's QK^T and AV, 6·L·T·dim."""
+    """Training FLOPs per token counted from the built model, the usual 6N + attention (Kaplan et al., PaLM): 6 per
+    parameter but the embedding lookup (the LM head counts; norm gains too, as in N), plus causal attention's QK^T
+    and AV, 6·L·T·dim."""
     model = Transformer(config)
     matmul = sum(p.numel() for n, p in model.named_parameters()
-                 if p.ndim == 2 and (config.tie_embeddings or "tok_embeddings" not in n))
+                 if config.tie_embeddings or "tok_embeddings" not in n)
     return 6.0 * matmul + 6.0 * config.n_layers * seq_len * config.dim
 
 

@@ -8,18 +8,20 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
+import transformers  # a test dependency: if it does not import, these tests fail (they must not skip)
 
 from tests.helpers.data import make_tiny_corpus
 from tests.helpers.multiproc import REPO, run_normlab
+from tests.helpers.runs import scalars
 from training.loading import load_checkpoint
 
 pytestmark = pytest.mark.slow
-transformers = pytest.importorskip("transformers")
 
 HELPERS = REPO / "tests" / "helpers"
 STEP = "step-00000004"
@@ -76,19 +78,52 @@ def test_greedy_generation_equals_transformers(runs, workdir, tmp_path):
     assert torch.equal(ours, theirs)
     proc = run_normlab(["generate", "--checkpoint", str(runs["qwen3"]), "--prompt", prompt, "--max-new-tokens", "8",
                         "--temperature", "0"], cwd=workdir)
-    assert proc.stdout.startswith(prompt) and len(proc.stdout.strip()) > len(prompt)
+    import sentencepiece as spm
+
+    sp = spm.SentencePieceProcessor(model_file=str(workdir / "tiny" / "tokenizer.model"))
+    room = 16 - ids.shape[1]  # the CLI stops at the model's max_seq_len (16) and at EOS
+    greedy = generate(load_checkpoint(runs["qwen3"]).model, ids, room, eos_id=sp.eos_id())[0, ids.shape[1]:]
+    new = [t for t in greedy.tolist() if t != sp.eos_id()]
+    expected = prompt + sp.decode(new) + "\n"  # temperature 0: the greedy tokens, decoded
+    assert new and proc.stdout == expected.replace("\r\n", "\n").replace("\r", "\n")  # (text mode: universal newlines)
+
+
+def test_qk_norm_gain_tags_in_tensorboard(runs):
+    """The README's QK-norm gain tags: per layer, mean/max/min of the q and k gains, logged at the step-0 audit
+    (where the gains are their init, 1), in a run with QK-norm (qwen3) — and none without it (llama)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    def tags(preset: str) -> set[str]:
+        acc = EventAccumulator(str(runs[preset].parent.parent))
+        acc.Reload()
+        return {t for t in acc.Tags()["scalars"] if t.startswith("qk_gain/")}
+
+    expected = {f"qk_gain/{qk}/{stat}/L{l}" for qk in "qk" for stat in ("mean", "max", "min") for l in range(2)}
+    assert tags("qwen3") == expected and tags("llama") == set()
+    for tag in expected:
+        assert scalars(runs["qwen3"].parent.parent, tag) == {0: 1.0}
 
 
 def test_evaluate_single_process_checkpoint(runs, workdir, tmp_path):
-    from tests.helpers.runs import scalars
-
+    """By default `evaluate` reads the run's own validation windows: its loss is the val/loss the run itself logged at
+    that step. Over the whole validation split, bits per byte follow from the loss and meta.json's byte and token
+    counts of that split (the windows cover all but its last few tokens)."""
+    run = runs["llama"].parent.parent
     out = tmp_path / "eval.json"
-    run_normlab(["evaluate", "--checkpoint", str(runs["llama"]), "--output", str(out), "--max-tokens", "600"],
-                cwd=workdir)
+    run_normlab(["evaluate", "--checkpoint", str(runs["llama"]), "--output", str(out)], cwd=workdir)
     result = json.loads(out.read_text())
+    assert result["step"] == 4 and result["tokens"] == 2 * 4 * 16  # val_batches · batch_size · seq_len
+    assert result["loss"] == pytest.approx(scalars(run, "val/loss")[4], rel=1e-5)
     assert result["perplexity"] == pytest.approx(math.exp(result["loss"]))
-    assert result["tokens"] == (600 // 16) * 16  # whole windows of the run's seq_len
-    assert scalars(runs["llama"].parent.parent, "eval/val/loss")[4] == pytest.approx(result["loss"], rel=1e-6)
+
+    val = json.loads((workdir / "tiny" / "meta.json").read_text())["splits"]["val"]
+    windows = (val["tokens"] - 1) // 16
+    run_normlab(["evaluate", "--checkpoint", str(runs["llama"]), "--output", str(out), "--max-tokens",
+                 str(windows * 16)], cwd=workdir)
+    whole = json.loads(out.read_text())
+    assert whole["tokens"] == windows * 16
+    expected_bpb = whole["loss"] / math.log(2) * val["tokens"] / val["bytes"]
+    assert whole["bits_per_byte"] == pytest.approx(expected_bpb, rel=0.02)
 
 
 def test_unexportable_config_names_the_field_and_safetensors_still_works(runs, workdir, tmp_path):
@@ -101,11 +136,21 @@ def test_unexportable_config_names_the_field_and_safetensors_still_works(runs, w
     run_normlab(["export", "--checkpoint", str(runs["post"]), "--output", str(out), "--format", "safetensors",
                  "--dtype", "bfloat16"], cwd=workdir)
     again = load_checkpoint(out)
-    original = load_checkpoint(runs["post"])
-    assert again.model.cfg == original.model.cfg
+    original = load_checkpoint(runs["post"]).model
+    assert again.model.cfg == original.cfg
+    assert all(p.dtype == torch.bfloat16 for p in load_safetensors(out))  # what was written is bf16
+    with torch.no_grad():  # the same model with its weights rounded to bf16, evaluated in fp32
+        for p in original.parameters():
+            p.copy_(p.to(torch.bfloat16).float())
     tokens = torch.randint(0, again.model.cfg.vocab_size, (1, 8))
-    with torch.no_grad():  # bf16 weights, evaluated in fp32
-        assert (again.model(tokens) - original.model(tokens)).abs().max().item() < 0.1
+    with torch.no_grad():
+        assert (again.model(tokens).float() - original(tokens)).abs().max().item() <= 1e-5
+
+
+def load_safetensors(out: Path) -> list[torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return [t for f in sorted(out.glob("*.safetensors")) for t in load_file(f).values()]
 
 
 def test_bad_inputs_give_clear_errors(runs, workdir, tmp_path):
@@ -136,15 +181,18 @@ def test_bad_inputs_give_clear_errors(runs, workdir, tmp_path):
 
 
 def test_normlab_test_and_validate_on_a_checkpoint(runs, workdir):
-    """`normlab test` / `validate` (LightningCLI) on a saved checkpoint: the held-out split, the run's loss."""
-    from tests.helpers.runs import scalars
-
-    for command in ("validate", "test"):
+    """`normlab test` / `validate` (LightningCLI) on a saved checkpoint: the held-out split is the run's validation
+    windows, so each prints the val/loss the run logged at step 4 (the checkpoint's weights)."""
+    logged = scalars(runs["llama"].parent.parent, "val/loss")[4]
+    for command, tag in (("validate", "val/loss"), ("test", "test/loss")):
         proc = run_normlab([command, "-c", str(HELPERS / "tiny.yaml"), "--data.path", str(workdir / "tiny"),
                             "--runs_dir", str(workdir / "runs"), "--name", "llama", "--model.n_kv_heads", "2",
                             "--ckpt_path", str(runs["llama"])], cwd=workdir)
-        table = proc.stdout + proc.stderr
-        assert f"{'val' if command == 'validate' else 'test'}/loss" in table
-    # the same windows as the run's own validation at step 4 (the checkpoint's weights)
-    logged = scalars(runs["llama"].parent.parent, "val/loss")[4]
-    assert f"{logged:.4f}"[:5] in table
+        assert table_value(proc.stdout + proc.stderr, tag) == pytest.approx(logged, rel=1e-6), command
+
+
+def table_value(output: str, tag: str) -> float:
+    """The number Lightning's results table prints for `tag` (exactly one row)."""
+    found = re.findall(rf"{re.escape(tag)}\W+([0-9][0-9.e+-]*)", output)
+    assert len(found) == 1, (tag, output[-3000:])
+    return float(found[0])

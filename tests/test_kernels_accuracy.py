@@ -55,12 +55,28 @@ def _no_env_override(monkeypatch):
     monkeypatch.delenv("NORMLAB_KERNELS", raising=False)  # it would silently replace the backend under test
 
 
-def _skip_unsupported(impl, kind: str = "rmsnorm", dtype: torch.dtype = torch.float32) -> None:
-    if impl != ("auto", "cpu"):
-        return
-    if kind == "layernorm" or dtype not in (torch.float32, torch.bfloat16):
-        pytest.skip("the C++ CPU kernel is RMSNorm in fp32/bf16 (other cases dispatch to PyTorch)")
-    if cpu_rms.library() is None:
+def _cpu_kernel_has(kind: str, dtype: torch.dtype) -> bool:
+    """The C++ CPU kernel is RMSNorm in fp32/bf16: other cases dispatch to PyTorch, so they are not collected for it."""
+    return kind == "rmsnorm" and dtype in (torch.float32, torch.bfloat16)
+
+
+def cases(kinds=("rmsnorm",), dtypes=(torch.float32,)) -> list:
+    """(impl, kind, dtype) for every implementation that has that kind and dtype somewhere."""
+    out = []
+    for impl in ALL_IMPLS:
+        (backend, device), = impl.values
+        for kind in kinds:
+            for dtype in dtypes:
+                if impl.id == "cpu-kernel" and not _cpu_kernel_has(kind, dtype):
+                    continue
+                out.append(pytest.param((backend, device), kind, dtype, marks=impl.marks,
+                                        id=f"{impl.id}-{kind}-{str(dtype).removeprefix('torch.')}"))
+    return out
+
+
+def _skip_unsupported(impl) -> None:
+    """The one skip of a collected C++-kernel case: a machine without a compiler, where it falls back to PyTorch."""
+    if impl == ("auto", "cpu") and cpu_rms.library() is None:
         pytest.skip("no C++ compiler here: the CPU RMSNorm falls back to PyTorch")
 
 
@@ -123,28 +139,24 @@ def check_against_float64(impl, kind, dtype, shape, *, weight=True, bias=False, 
 
 
 @pytest.mark.parametrize("n", [19, 123, 3000])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("kind", ["rmsnorm", "layernorm"])
-@pytest.mark.parametrize("impl", ALL_IMPLS)
+@pytest.mark.parametrize("impl, kind, dtype", cases(("rmsnorm", "layernorm"),
+                                                    (torch.float32, torch.float16, torch.bfloat16)))
 def test_forward_and_backward_match_float64(impl, kind, dtype, n):
-    _skip_unsupported(impl, kind, dtype)
+    _skip_unsupported(impl)
     check_against_float64(impl, kind, dtype, (4, 6, n), bias=kind == "layernorm")
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("kind", ["rmsnorm", "layernorm"])
-@pytest.mark.parametrize("impl", ALL_IMPLS)
+@pytest.mark.parametrize("impl, kind, dtype", cases(("rmsnorm", "layernorm"), (torch.float32, torch.bfloat16)))
 def test_fused_residual_add_both_outputs_and_gradients(impl, kind, dtype):
-    _skip_unsupported(impl, kind, dtype)
+    _skip_unsupported(impl)
     check_against_float64(impl, kind, dtype, (3, 5, 123), residual=True, bias=kind == "layernorm")
 
 
-@pytest.mark.parametrize("kind", ["rmsnorm", "layernorm"])
-@pytest.mark.parametrize("impl", ALL_IMPLS)
-def test_fused_add_normalizes_exactly_the_sum_it_returns(impl, kind):
+@pytest.mark.parametrize("impl, kind, dtype", cases(("rmsnorm", "layernorm"), (torch.bfloat16,)))
+def test_fused_add_normalizes_exactly_the_sum_it_returns(impl, kind, dtype):
     """In bf16 the sum is rounded before it is normalized, so N(x + r) is bit-identical to N(h) for the h
     returned — the value the next sublayer sees and the backward reads back."""
-    _skip_unsupported(impl, kind, torch.bfloat16)
+    _skip_unsupported(impl)
     backend, device = impl
     x, r = _randn((6, 8, 48), torch.bfloat16, device, 0), _randn((6, 8, 48), torch.bfloat16, device, 1)
     w = _randn((48,), torch.bfloat16, device, 2, shift=1.0)
@@ -184,10 +196,9 @@ def test_layernorm_without_weight_or_bias(impl, weight, bias):
 
 
 @pytest.mark.parametrize("shape", [(123,), (1, 123), (1, 1, 1)], ids=str)
-@pytest.mark.parametrize("kind", ["rmsnorm", "layernorm"])
-@pytest.mark.parametrize("impl", ALL_IMPLS)
-def test_one_row(impl, kind, shape):
-    _skip_unsupported(impl, kind, torch.float32)
+@pytest.mark.parametrize("impl, kind, dtype", cases(("rmsnorm", "layernorm")))
+def test_one_row(impl, kind, dtype, shape):
+    _skip_unsupported(impl)
     check_against_float64(impl, kind, torch.float32, shape, residual=True)
 
 
@@ -199,10 +210,9 @@ NON_CONTIGUOUS = {
 
 
 @pytest.mark.parametrize("layout", NON_CONTIGUOUS)
-@pytest.mark.parametrize("kind", ["rmsnorm", "layernorm"])
-@pytest.mark.parametrize("impl", ALL_IMPLS)
-def test_non_contiguous_input(impl, kind, layout):
-    _skip_unsupported(impl, kind, torch.float32)
+@pytest.mark.parametrize("impl, kind, dtype", cases(("rmsnorm", "layernorm")))
+def test_non_contiguous_input(impl, kind, dtype, layout):
+    _skip_unsupported(impl)
     assert not NON_CONTIGUOUS[layout](torch.zeros(5, 7, 40)).is_contiguous()
     check_against_float64(impl, kind, torch.float32, (5, 7, 40), residual=True, make_x=NON_CONTIGUOUS[layout])
 
@@ -271,11 +281,13 @@ OPCHECK_CASES = {  # (x, weight, bias, residual, eps, offset, rms, gemma_cast) b
 }
 
 
-@pytest.mark.parametrize("case", OPCHECK_CASES)
-@pytest.mark.parametrize("impl", ALL_IMPLS)
+@pytest.mark.parametrize("impl, case", [pytest.param(impl.values[0], case, id=f"{impl.id}-{case}", marks=impl.marks)
+                                        for impl in ALL_IMPLS for case in OPCHECK_CASES
+                                        if impl.id != "cpu-kernel" or _cpu_kernel_has(
+                                            "layernorm" if case == "layernorm-add" else "rmsnorm", torch.float32)])
 def test_opcheck(impl, case):
     backend, device = impl
-    _skip_unsupported(impl, "layernorm" if case == "layernorm-add" else "rmsnorm")
+    _skip_unsupported(impl)
     forward, _ = ops.OPS["triton" if backend == "triton" else "cpu"]
     gen = torch.Generator().manual_seed(0)
 

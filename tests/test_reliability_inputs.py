@@ -15,11 +15,12 @@ from unittest import mock
 import pytest
 import torch
 
+from data.errors import DataError
+from tests.helpers.faults import installed
 from tests.helpers.multiproc import REPO
 from training import checkpoint
 from training.callbacks.guard import NonFiniteError, NonFiniteGuard
 from training import resume
-from training.callbacks import step_checkpoint
 from training.callbacks.step_checkpoint import StepCheckpoint
 from training.checkpoint import CheckpointError
 from training.cli import main
@@ -89,19 +90,69 @@ def test_guard_skips_a_loss_spike(workdir, tmp_path, caplog):
     assert not all(torch.equal(five["state_dict"][k], six["state_dict"][k]) for k in five["state_dict"])
 
 
-def test_disk_full_during_save(workdir, monkeypatch):
-    """ENOSPC while the manifest of step 4 is written: a clear error, the partial checkpoint moved aside, the
-    previous one intact — and `--ckpt_path last` resumes from it."""
-    monkeypatch.setenv(step_checkpoint.FAULT_ENV, "enospc_manifest@4")
-    with pytest.raises(CheckpointError, match=r"saving checkpoint step 4 into .* failed: the disk is full .*moved "
-                                              r"to .*incomplete/step-00000004.*resume with --ckpt_path last"):
-        fit(workdir, "full")
-    ckpts = workdir / "runs" / "full" / "checkpoints"
-    assert sorted(p.name for p in ckpts.iterdir()) == ["incomplete", "step-00000002"]
-    assert (ckpts / "incomplete" / "step-00000004" / "model.ckpt").is_file()
-    monkeypatch.delenv(step_checkpoint.FAULT_ENV)
-    fit(workdir, "full", "--ckpt_path", "last", "--trainer.max_steps", "4")
+@pytest.mark.parametrize("nonfinite", ["nan", "inf"])
+def test_guard_catches_a_nonfinite_loss_with_finite_gradients(workdir, tmp_path, nonfinite):
+    """A NaN or Inf *loss* whose gradients are finite (zero): only the loss check sees it. `abort` stops before the
+    update; `skip` drops it (checkpoint 3 holds checkpoint 2's weights) and counts it."""
+    bad = tmp_path / "loss.yaml"
+    bad.write_text("trainer:\n  callbacks:\n    - class_path: tests.helpers.faults.InjectNonFiniteLoss\n"
+                   f"      init_args: {{steps: [3], value: {nonfinite}}}\n")
+    name = f"loss-{nonfinite}"
+    with pytest.raises(NonFiniteError, match=r"non-finite loss at step 3: stopped before the optimizer step"):
+        fit(workdir, name, "-c", str(bad))
+    assert sorted(p.name for p in step_dir(workdir, name, 2).parent.iterdir()) == ["step-00000002"]
+    fit(workdir, f"{name}-skip", "-c", str(bad), "--guard.policy", "skip", "--checkpoint.every_n_steps", "1",
+        "--trainer.max_steps", "4")
+    two, three, four = (torch.load(step_dir(workdir, f"{name}-skip", s) / "model.ckpt", weights_only=True)
+                        for s in (2, 3, 4))
+    assert all(torch.equal(two["state_dict"][k], three["state_dict"][k]) for k in two["state_dict"])
+    assert not all(torch.equal(three["state_dict"][k], four["state_dict"][k]) for k in two["state_dict"])
+    guard_state = next(v for k, v in four["callbacks"].items() if k.startswith("NonFiniteGuard"))
+    assert guard_state["skipped"] == 1
+
+
+DISK_FULL = (r"saving checkpoint step 4 into .* failed: the disk is full \({rank}OSError: \[Errno 28\] No space left "
+             r"on device.*{moved}\. Earlier checkpoints are intact: free space \(or set --checkpoint.keep_last_n\), then resume with --ckpt_path last")
+
+
+@pytest.mark.parametrize("fault", ["enospc_manifest@4", "enospc_shard@4"])
+def test_disk_full_during_save(workdir, fault):
+    """A real write to /dev/full (no space left on the device) at step 4 — the manifest (a plain file write: OSError
+    with errno 28) or the checkpoint file itself (torch.save's zip writer: a RuntimeError without errno) — gives
+    docs/errors.md's message, moves any partial checkpoint aside (the manifest case: the model file is written),
+    leaves step 2 intact, and `--ckpt_path last` resumes from it."""
+    name = f"full-{fault.split('@')[0]}"
+    manifest = "manifest" in fault
+    rank = "" if manifest else "rank 0: "  # a shard write's error is gathered from the ranks
+    moved = "; the partial checkpoint was moved to .*incomplete/step-00000004" if manifest else ""
+    with installed(fault), pytest.raises(CheckpointError, match=DISK_FULL.format(rank=rank, moved=moved)):
+        fit(workdir, name)
+    ckpts = workdir / "runs" / name / "checkpoints"
+    assert sorted(p.name for p in ckpts.iterdir()) == (["incomplete", "step-00000002"] if manifest else
+                                                       ["step-00000002"])
+    if manifest:
+        assert (ckpts / "incomplete" / "step-00000004" / "model.ckpt").is_file()
+    fit(workdir, name, "--ckpt_path", "last", "--trainer.max_steps", "4")
     assert checkpoint.read_manifest(ckpts / "step-00000004")["step"] == 4
+
+
+def test_resume_with_a_vocab_size_smaller_than_the_data(workdir):
+    """The model/data vocabulary check, reached through a real fit: data tokenized with 320 pieces, a model with
+    256 embeddings."""
+    with pytest.raises(DataError, match=r"tokenized with 320 pieces \(meta.json\), more than the model's vocab_size 256"):
+        fit(workdir, "small-vocab", "--model.vocab_size", "256")
+
+
+def test_resume_with_an_accumulation_that_splits_an_update(workdir, finished):
+    """Through a real resume: step 4 of accumulation 2 is 8 micro-batches; 3 does not divide them, 4 does (and the
+    resumed run then reaches step 5)."""
+    with pytest.raises(CheckpointError, match=r"step-00000004 with accumulate_grad_batches 3: it was saved after 8 "
+                                              r"micro-batches \(4 updates of 2\)"):
+        fit(workdir, "finished", "--ckpt_path", "last", "--trainer.accumulate_grad_batches", "3")
+    run = copy_run(finished, "reaccumulated")
+    fit(workdir, "reaccumulated", "--ckpt_path", "last", "--trainer.accumulate_grad_batches", "4",
+        "--trainer.max_steps", "5", "--checkpoint.every_n_steps", "1")
+    assert checkpoint.read_manifest(run / "checkpoints" / "step-00000005")["accumulate_grad_batches"] == 4
 
 
 def test_resume_with_changed_model_config(workdir, finished):
@@ -231,13 +282,16 @@ def test_loss_zscore_over_the_rolling_window():
 def test_fp16_loss_scale_overflows_are_the_scalers_not_faults(caplog):
     """Under fp16 with a dynamic loss scale (here Lightning's GradScaler), an overflowing gradient with a finite
     loss is routine — the scaler skips that update and lowers its scale: no abort, no skip count, logged. The
-    same gradient without a scaler is a fault (the default policy aborts)."""
+    same gradient without a scaler is a fault (the default policy aborts). (A real fp16 run is GPU-only: Lightning
+    turns 16-mixed into bf16-mixed on CPU.)"""
     model = torch.nn.Linear(2, 2)
     pl_module = SimpleNamespace(model=model, device=torch.device("cpu"), parameters=model.parameters)
     strategy = SimpleNamespace(reduce=lambda tensor, reduce_op: tensor)
+    logged = []
+    logger = SimpleNamespace(log_metrics=lambda values, step: logged.append((step, values)))
 
     def step(guard: NonFiniteGuard, scaler) -> None:
-        trainer = SimpleNamespace(strategy=strategy, world_size=1, global_step=0, is_global_zero=True, logger=None,
+        trainer = SimpleNamespace(strategy=strategy, world_size=1, global_step=0, is_global_zero=True, logger=logger,
                                   precision_plugin=SimpleNamespace(scaler=scaler))
         model.weight.grad = torch.full_like(model.weight, float("inf"))
         guard.on_before_backward(trainer, pl_module, torch.tensor(2.0))
@@ -249,5 +303,6 @@ def test_fp16_loss_scale_overflows_are_the_scalers_not_faults(caplog):
         step(guard, scaler=torch.amp.GradScaler("cpu"))
     assert guard.scaler_overflows == 1 and guard.skipped == 0 and guard.consecutive == 0
     assert "fp16 gradient overflow at step 1: the loss scaler skips it" in caplog.text
+    assert logged == [(1, {"guard/scaler_overflows": 1.0})]  # the README's tag, and nothing counted as skipped
     with pytest.raises(NonFiniteError, match=r"non-finite gradient, first in weight \(1 parameters\) at step 1"):
         step(NonFiniteGuard(), scaler=None)

@@ -8,6 +8,7 @@ import pytest
 import torch
 import yaml
 
+from tests.helpers.faults import kill_when_paused
 from tests.helpers.multiproc import REPO, run_normlab
 from tests.helpers.runs import consolidated_state_dict, scalars
 
@@ -45,6 +46,22 @@ def test_single_process_exact_resume_and_run_layout(workdir, tmp_path):
     # Everything in the checkpoint (hyper-parameters, RNG states, model config) is plain data.
     state = torch.load(ckpt / "model.ckpt", weights_only=True)
     assert len(state["rng_states"]) == 1 and state["model_config"]["dim"] == 32
+
+    # kill -9 of a single-process run in the middle of writing a checkpoint file (step 8's model.ckpt half on disk,
+    # flushed): `last` is step 4, the half-written save is moved aside on resume, and the resumed run ends where
+    # the straight one did, bit for bit.
+    killed = workdir / "runs" / "killed-mid-write"
+    kill_when_paused(["fit", "-c", str(HELPERS / "tiny.yaml"), "-c", str(HELPERS / "probe.yaml"), "--data.path",
+                      str(workdir / "tiny"), "--runs_dir", str(workdir / "runs"), "--name", killed.name],
+                     workdir, "pause_mid_shard@8", tmp_path / "paused")
+    half = killed / "checkpoints" / ".tmp-step-00000008" / "model.ckpt"
+    assert 0 < half.stat().st_size < (ckpt / "model.ckpt").stat().st_size
+    fit(workdir, killed.name, "probe.yaml", "--ckpt_path", "last")
+    assert sorted(p.name for p in (killed / "checkpoints").iterdir()) == ["incomplete", "step-00000004",
+                                                                           "step-00000008"]
+    again = consolidated_state_dict(killed / "checkpoints" / "step-00000008", tmp_path)
+    assert all(torch.equal(final[0][k], again[k]) for k in final[0])
+    assert scalars(killed, "train/loss") == scalars(straight, "train/loss")
 
 
 def test_train_loss_is_the_mean_over_the_updates_micro_batches(workdir, tmp_path):

@@ -109,11 +109,21 @@ def test_build_optimizer_steps_the_schedule():
         build_optimizer(model, OptimConfig(), total_steps=math.inf)
 
 
-@pytest.mark.parametrize("bad", [dict(schedule="exp"), dict(no_decay=("gains",)), dict(min_lr=1.0, lr=0.1),
-                                 dict(warmup_steps=10, decay_steps=5), dict(decay_shape="sqrt"),
-                                 dict(decay_fraction=0.0), dict(decay_fraction=1.5), dict(z_loss=-1e-4)])
-def test_optim_config_rejects(bad):
-    with pytest.raises(ValueError, match="optim"):
+@pytest.mark.parametrize("bad, message", [
+    (dict(schedule="exp"), r"optim.schedule='exp' is not valid"),
+    (dict(no_decay=("gains",)), r"optim.no_decay has unknown kind\(s\) \['gains'\]"),
+    (dict(min_lr=1.0, lr=0.1), r"lr > 0 and 0 <= min_lr <= lr, got lr=0.1, min_lr=1.0"),
+    (dict(lr=-1.0, min_lr=0.0), r"lr > 0 .*got lr=-1.0"),
+    (dict(warmup_steps=10, decay_steps=5), r"decay_steps > warmup_steps, got warmup_steps=10, decay_steps=5"),
+    (dict(warmup_steps=-1), r"warmup_steps >= 0.*got warmup_steps=-1"),
+    (dict(decay_shape="sqrt"), r"optim.decay_shape='sqrt' is not valid"),
+    (dict(decay_fraction=0.0), r"optim.decay_fraction=0.0 must be in \(0, 1\]"),
+    (dict(decay_fraction=1.5), r"optim.decay_fraction=1.5 must be in \(0, 1\]"),
+    (dict(z_loss=-1e-4), r"optim.z_loss=-0.0001 must be >= 0"),
+])
+def test_optim_config_rejects(bad, message):
+    """Each bad value is refused with a message naming that field and its value."""
+    with pytest.raises(ValueError, match=message):
         OptimConfig(**bad)
 
 

@@ -227,9 +227,9 @@ def repair_zero3_universal_load(optimizer: Any, own: list[dict[str, Any]]) -> No
 
 
 def hold_checkpoint_writes(strategy: Any, deepspeed: bool,
-                           hold: Callable[[Callable, int | None], Callable]) -> ExitStack:
+                           hold: Callable[[Callable], Callable]) -> ExitStack:
     """Patches (entered in the returned stack) that route every file write of a checkpoint save through
-    `hold(write, path_arg)` (`path_arg`: the index of the written path among the write's arguments, or None).
+    `hold(write)`.
     Under DeepSpeed every file goes through its checkpoint engine (`makedirs`, `save`) or
     `_copy_recovery_script`, but `latest`, which the save leaves out (`save_latest=False`) for the caller to
     write once every shard is; otherwise Lightning's checkpoint IO (public API)."""
@@ -237,18 +237,18 @@ def hold_checkpoint_writes(strategy: Any, deepspeed: bool,
     if deepspeed:
         engine = strategy.deepspeed_engine
         io, ds = "deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine:TorchCheckpointEngine", _DS_ENGINE
-        writes = [(engine.checkpoint_engine, "save", 1, f"{io}.save"),
-                  (engine.checkpoint_engine, "makedirs", None, f"{io}.makedirs"),
-                  (engine, "_copy_recovery_script", None, f"{ds}._copy_recovery_script")]
-        for owner, name, path_arg, target in writes:
+        writes = [(engine.checkpoint_engine, "save", f"{io}.save"),
+                  (engine.checkpoint_engine, "makedirs", f"{io}.makedirs"),
+                  (engine, "_copy_recovery_script", f"{ds}._copy_recovery_script")]
+        for owner, name, target in writes:
             require(target)
-            stack.enter_context(mock.patch.object(owner, name, hold(getattr(owner, name), path_arg)))
+            stack.enter_context(mock.patch.object(owner, name, hold(getattr(owner, name))))
         require(f"{_DS_ENGINE}.save_checkpoint")
         stack.enter_context(mock.patch.object(engine, "save_checkpoint",
                                               functools.partial(engine.save_checkpoint, save_latest=False)))
     else:
         io = strategy.checkpoint_io
-        stack.enter_context(mock.patch.object(io, "save_checkpoint", hold(io.save_checkpoint, 1)))
+        stack.enter_context(mock.patch.object(io, "save_checkpoint", hold(io.save_checkpoint)))
     return stack
 
 

@@ -15,12 +15,8 @@ ranks agree to stop after the same step (`stop_signals.py`) and the run exits cl
 
 A rank whose file write fails does not raise at once: it would leave the other ranks waiting forever in the
 save's remaining collectives. Its error is held until the save is over on every rank, then gathered, and every
-rank raises the same error, naming the rank and its cause.
-
-Fault injection for tests (`NORMLAB_FAULT=<point>@<step>`, with `NORMLAB_FAULT_MARKER=<file>` touched when
-a pause begins; `NORMLAB_FAULT_RANK=<r>` limits it to one rank): `pause_after_shards` (every shard written, no
-manifest yet), `pause_before_step` (between optimizer steps), `enospc_manifest` (the manifest write fails with
-ENOSPC, as on a full disk), `enospc_shard` (a checkpoint file write goes to /dev/full: a real failing write).
+rank raises the same error, naming the rank and its cause. A full disk reads the same whichever writer hit it
+(`_write_error`): torch.save's zip writer reports it as a RuntimeError without an errno.
 """
 from __future__ import annotations
 
@@ -49,28 +45,16 @@ from training.strategy import is_deepspeed
 
 log = logging.getLogger(__name__)
 
-FAULT_ENV, FAULT_MARKER_ENV, FAULT_RANK_ENV = "NORMLAB_FAULT", "NORMLAB_FAULT_MARKER", "NORMLAB_FAULT_RANK"
+# torch.save's zip writer (PyTorchStreamWriter) turns a short write into a RuntimeError that carries no errno;
+# on a local file a write comes up short when the disk (or the quota) is full.
+_ZIP_WRITE_FAILED = ("PytorchStreamWriter failed writing", "inline_container.cc")
 
 
-def fault_armed(point: str, step: int, rank: int | None = None) -> bool:
-    """NORMLAB_FAULT names the injection point `point` at optimizer step `step` (and NORMLAB_FAULT_RANK, when
-    set, names `rank`)."""
-    return (os.environ.get(FAULT_ENV) == f"{point}@{step}"
-            and os.environ.get(FAULT_RANK_ENV) in (None, str(rank)))
-
-
-def fault(point: str, step: int, rank: int | None = None) -> None:
-    """The test injection point `point` at optimizer step `step` (see the module docstring); a no-op unless
-    armed (`fault_armed`)."""
-    if not fault_armed(point, step, rank):
-        return
-    if point.startswith("enospc"):
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC) + f" (injected by {FAULT_ENV})")
-    log.warning("%s: pausing at %s of step %d until killed", FAULT_ENV, point, step)
-    if os.environ.get(FAULT_MARKER_ENV):
-        Path(os.environ[FAULT_MARKER_ENV]).write_text(f"{point}@{step} pid={os.getpid()}\n")
-    while True:
-        time.sleep(1)
+def _write_error(err: Exception) -> str:
+    """One line for a failed checkpoint write; a full disk reads `OSError: [Errno 28] ...` from any writer."""
+    if isinstance(err, RuntimeError) and any(mark in str(err) for mark in _ZIP_WRITE_FAILED):
+        return f"OSError: [Errno {errno.ENOSPC}] {os.strerror(errno.ENOSPC)} (torch.save: {str(err).strip()})"
+    return f"{type(err).__name__}: {err}"
 
 
 @contextmanager
@@ -81,17 +65,15 @@ def _write_errors_held(trainer: Trainer) -> Iterator[list[str]]:
     `compat.hold_checkpoint_writes`; DeepSpeed's `latest` is left to `_commit` (rank 0, after every shard is
     written — it would otherwise be a raw write on rank 0 just before DeepSpeed's last barrier)."""
     held: list[str] = []
-    strategy, rank, step = trainer.strategy, trainer.global_rank, trainer.global_step
+    strategy, rank = trainer.strategy, trainer.global_rank
 
-    def holding(write: Any, path_arg: int | None) -> Any:
+    def holding(write: Any) -> Any:
         def call(*args: Any, **kwargs: Any) -> Any:
-            if path_arg is not None and fault_armed("enospc_shard", step, rank):
-                args = (*args[:path_arg], "/dev/full", *args[path_arg + 1:])  # a real failing write
             try:
                 return write(*args, **kwargs)
             except (OSError, RuntimeError) as err:
                 log.error("rank %d could not write its checkpoint: %s", rank, err)
-                held.append(f"{type(err).__name__}: {err}")
+                held.append(_write_error(err))
                 return None
         return call
 
@@ -151,10 +133,6 @@ class StepCheckpoint(Callback):
         self._last_saved = self._boundary = trainer.global_step  # never re-save the step a run resumed from
         self._signals.install(trainer)  # after Lightning installed its own handlers (see stop_signals.py)
 
-    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
-        if trainer.is_global_zero:
-            fault("pause_before_step", trainer.global_step)
-
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
         step = trainer.global_step
         # Called once per micro-batch: with gradient accumulation the step repeats until the next update.
@@ -204,11 +182,10 @@ class StepCheckpoint(Callback):
         failed = gather_objects(held[0] if held else None)
         error = "; ".join(f"rank {rank}: {err}" for rank, err in enumerate(failed) if err) or None
         if trainer.is_global_zero and error is None:
-            fault("pause_after_shards", step)
             try:
                 self._commit(tmp, final, trainer, pl_module, "deepspeed" if deepspeed else "lightning")
             except OSError as err:
-                error = f"{type(err).__name__}: {err}"
+                error = _write_error(err)
         # Rank 0's outcome reaches every rank (a barrier would leave the others waiting forever if it raised).
         error = trainer.strategy.broadcast(error)
         if error is not None:
@@ -232,9 +209,9 @@ class StepCheckpoint(Callback):
         where = ""
         if trainer.is_global_zero and tmp.exists():
             where = f"; the partial checkpoint was moved to {move_aside(tmp, 'the save failed')}"
-        disk_full = str(errno.ENOSPC) in error or "No space left" in error
+        disk_full = f"[Errno {errno.ENOSPC}]" in error
         cause = "the disk is full" if disk_full else "writing failed"
-        try:  # torch.save's zip writer reports a full disk without errno: show the free space
+        try:  # what is left there now (a full disk, or what the failed save freed again)
             free = f"; {shutil.disk_usage(tmp.parent).free / 2**30:.1f} GiB free there"
         except OSError:
             free = ""
@@ -270,5 +247,4 @@ class StepCheckpoint(Callback):
             "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "files": file_sizes(ckpt_dir),  # checked before a resume or a load (see verify_files)
         }
-        fault("enospc_manifest", trainer.global_step)
         write_text_atomic(ckpt_dir / MANIFEST, json.dumps(manifest, indent=2) + "\n")  # last: marks complete

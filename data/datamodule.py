@@ -152,7 +152,7 @@ class TokenDataModule(L.LightningDataModule):
     def setup(self, stage: str | None = None) -> None:
         self._meta = None  # re-read: prepare_data may have just built the directory
         self._metas = {}
-        for name, path, _ in self.sources:
+        for _, path, _ in self.sources:
             self._check_directory(path, train=True)
         for name, path in self.val_sets.items():
             self._check_directory(path, train=False, role=f"data.val_sets.{name}")
@@ -193,7 +193,8 @@ class TokenDataModule(L.LightningDataModule):
         if len(self.sources) == 1:
             main = [ValSet("", self.path, 1.0)] if self._val_tokens() else []
         else:
-            with_val = [(n, p, w) for n, p, w in self.sources if self._meta_of(p, "data.path")["splits"]["val"]["tokens"]]
+            with_val = [(n, p, w) for n, p, w in self.sources
+                        if self._meta_of(p, "data.path")["splits"]["val"]["tokens"]]
             total = sum(w for _, _, w in with_val)
             main = [ValSet(n, p, w / total) for n, p, w in with_val]
         return main + [ValSet(name, path, 0.0) for name, path in self.val_sets.items()]
@@ -306,7 +307,8 @@ def _named_sets(val_sets: dict[str, str] | None, sources: list[tuple[str, Path, 
     out = {}
     for name, directory in (val_sets or {}).items():
         if not name or "/" in name or name in taken:
-            raise DataError(f"data.val_sets name {name!r} must be non-empty, without '/', and differ from the mixture's "
+            raise DataError(f"data.val_sets name {name!r} must be non-empty, without '/', and differ from the "
+                            f"mixture's "
                             f"source names ({', '.join(sorted(taken)) or 'none'})")
         out[name] = Path(directory)
     return out

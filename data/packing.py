@@ -161,7 +161,7 @@ class SplitWriter:
         out: dict[str, list[np.ndarray]] = {s: [] for s in SPLITS}
         starts: dict[str, list[int]] = {s: [] for s in SPLITS}
         reached = False
-        for (index, text), doc, score in zip(batch, ids, scores):
+        for (index, text), doc, score in zip(batch, ids, scores, strict=False):
             split = "val" if score < self.val_fraction else "train"
             counts = self.state.counts[split]
             self._track_edge(split, float(score), counts.documents)

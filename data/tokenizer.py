@@ -202,7 +202,8 @@ class HFTokenizer(Tokenizer):
                  flag: str | None) -> int:
         if given is not None:
             if not 0 <= given < self.vocab_size:
-                raise DataError(f"{what} id {given} is outside the vocabulary of '{self.path}' (size {self.vocab_size})")
+                raise DataError(f"{what} id {given} is outside the vocabulary of '{self.path}' "
+                                f"(size {self.vocab_size})")
             return given
         for token in ((named,) if named else ()) + candidates:
             found = self._tok.token_to_id(token)
@@ -250,7 +251,7 @@ def _bytes_to_unicode() -> dict[int, str]:
             bs.append(b)
             cs.append(256 + n)
             n += 1
-    return dict(zip(bs, map(chr, cs)))
+    return dict(zip(bs, map(chr, cs), strict=False))
 
 
 def _config_tokens(directory: Path) -> dict[str, str]:

@@ -76,7 +76,8 @@ class Attention(nn.Module):
             k_BKTD, v_BKTD = cache.append(k_BKTD, v_BKTD)
             if start > 0:  # new queries see every cached key and the new keys up to themselves
                 causal = False
-                mask = torch.arange(start + T, device=x.device)[None, :] <= torch.arange(start, start + T, device=x.device)[:, None]
+                keys = torch.arange(start + T, device=x.device)
+                mask = keys[None, :] <= torch.arange(start, start + T, device=x.device)[:, None]
         if self.softcap is None:
             y_BHTD = F.scaled_dot_product_attention(q_BHTD, k_BKTD, v_BKTD, attn_mask=mask, is_causal=causal,
                                                     enable_gqa=self.n_kv_heads != self.n_heads)

@@ -128,16 +128,17 @@ class ModelConfig:
 
     # ---- constructors --------------------------------------------------------------------------
     @classmethod
-    def preset(cls, name: str, **overrides: Any) -> "ModelConfig":
+    def preset(cls, name: str, **overrides: Any) -> ModelConfig:
         """A family's structure (see PRESETS) with sizes and any other field taken from `overrides`."""
         if name not in PRESETS:
             raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
         unknown = set(overrides) - {f.name for f in dataclasses.fields(cls)}
         if unknown:
-            raise ValueError(f"unknown ModelConfig field(s) {sorted(unknown)}; valid: {[f.name for f in dataclasses.fields(cls)]}")
+            valid = [f.name for f in dataclasses.fields(cls)]
+            raise ValueError(f"unknown ModelConfig field(s) {sorted(unknown)}; valid: {valid}")
         return cls(**{**PRESETS[name], **overrides})
 
-    def replace(self, **changes: Any) -> "ModelConfig":
+    def replace(self, **changes: Any) -> ModelConfig:
         return dataclasses.replace(self, **changes)
 
     def to_dict(self) -> dict[str, Any]:

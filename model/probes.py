@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -105,7 +105,7 @@ class Recorder:
             return {}
         keys = list(self.values)
         numbers = torch.stack([self.values[k].float() for k in keys]).tolist()  # one device sync
-        return dict(zip(keys, numbers))
+        return dict(zip(keys, numbers, strict=False))
 
 
 @contextlib.contextmanager
@@ -176,6 +176,6 @@ def grad_norms(model: torch.nn.Module, grad_of=lambda p: p.grad) -> dict[str, fl
         return {}
     keys = list(sq)
     values = torch.stack([sq[k] for k in keys])
-    out = dict(zip(keys, values.sqrt().tolist()))
+    out = dict(zip(keys, values.sqrt().tolist(), strict=False))
     out["grad/global"] = values.sum().sqrt().item()
     return out

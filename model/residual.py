@@ -12,7 +12,8 @@ and applies `formula`, and pre and sandwich override it to fuse.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, NamedTuple
+from collections.abc import Callable
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 from torch import nn

@@ -6,8 +6,8 @@
 cpu: RMSNorm and LayerNorm, forward and forward+backward, fp32 and bf16, shape (8, 512, 768). Our CPU path
 (`backend="auto"`) against the eager composite, `F.rms_norm`, the `torch.compile`d composite and the native
 `F.layer_norm`. All candidates run interleaved, round after round, in one process: this machine is shared and
-its timings drift, so only ratios from one run mean anything (the order is shuffled every round). Targets (issue 5): our RMSNorm forward+backward
-at least as fast as `F.layer_norm` and >= 3x faster than the eager composite.
+its timings drift, so only ratios from one run mean anything (the order is shuffled every round). Targets: our
+RMSNorm forward+backward at least as fast as `F.layer_norm` and >= 3x faster than the eager composite.
 
 gpu: effective bandwidth = minimal bytes / time (forward 2·s bytes per element, backward 3·s, fused add 4·s;
 s = element size) in bf16 with the L2 flushed before every launch (`triton.testing.do_bench`), as a
@@ -22,8 +22,8 @@ import random
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 import torch.nn.functional as F

@@ -10,8 +10,8 @@ import pytest
 import yaml
 
 from model import ModelConfig
-from training.cli import COMMANDS, main
 from tests.helpers.multiproc import REPO
+from training.cli import COMMANDS, main
 
 # In-process calls pass argv explicitly while pytest's own argv is set; that is what LightningCLI warns about.
 pytestmark = pytest.mark.filterwarnings("ignore:LightningCLI's args parameter")
@@ -87,7 +87,8 @@ def test_research_options_reach_the_config(capsys):
 
 
 def _resolved_model(config: dict) -> ModelConfig:
-    fields = {k: v for k, v in config["model"].items() if v is not None and k not in ("preset", "compile", "activation_checkpointing")}
+    runtime = ("preset", "compile", "activation_checkpointing")
+    fields = {k: v for k, v in config["model"].items() if v is not None and k not in runtime}
     fields.setdefault("vocab_size", 8192)  # the default corpus's tokenizer
     fields.setdefault("max_seq_len", config["data"]["seq_len"])
     return ModelConfig.preset(config["model"]["preset"], **fields)

@@ -92,15 +92,15 @@ def test_ranks_get_different_batches(data_dir: Path) -> None:
 
 
 def test_workers_keep_the_order(data_dir: Path) -> None:
-    assert all(torch.equal(a, b) for a, b in zip(
-        first(make(data_dir).train_dataloader(), 5), first(make(data_dir, num_workers=2).train_dataloader(), 5)
-    ))
+    one, two = first(make(data_dir).train_dataloader(), 5), first(make(data_dir, num_workers=2).train_dataloader(), 5)
+    assert all(torch.equal(a, b) for a, b in zip(one, two, strict=True))
 
 
 def test_validation_is_fixed_and_split_across_ranks(data_dir: Path) -> None:
     single = list(make(data_dir, val_batches=6).val_dataloader())
     assert len(single) == 6
-    assert all(torch.equal(a, b) for a, b in zip(single, make(data_dir, val_batches=6, seed=99).val_dataloader()))
+    reseeded = make(data_dir, val_batches=6, seed=99).val_dataloader()
+    assert all(torch.equal(a, b) for a, b in zip(single, reseeded, strict=True))
     shards = []
     for rank in range(3):
         dm = make(data_dir, val_batches=6)

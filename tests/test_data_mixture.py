@@ -45,7 +45,7 @@ def test_proportions_within_sampling_error() -> None:
     sampler = MixtureSampler((10_000, 50_000, 3_000), (0.5, 0.3, 0.2), SEQ, seed=3)
     n = 40_000
     counts = np.bincount(sampler.sources(np.arange(n)), minlength=3)
-    for count, w in zip(counts, (0.5, 0.3, 0.2)):
+    for count, w in zip(counts, (0.5, 0.3, 0.2), strict=True):
         assert abs(count / n - w) < 4 * math.sqrt(w * (1 - w) / n)  # 4 standard errors
     # pure: any slice of the stream, computed alone, gives the same (source, start)
     whole = sampler.locate(np.arange(1000))

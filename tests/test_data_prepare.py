@@ -10,9 +10,11 @@ import datasets
 import numpy as np
 import pytest
 
-from data import corpus, meta as layout, packing, prepare as prep
-from data.errors import DataError
+from data import corpus, packing
+from data import meta as layout
+from data import prepare as prep
 from data.default_corpus import gather_default_corpus
+from data.errors import DataError
 from data.prepare import ensure_default_corpus, main, prepare
 from data.tokenizer import NORMALIZATION_NOTE, load_processor, sha256_file
 from tests.test_data_support import TRICKY, VOCAB, decode_documents, prose_documents, write_corpus

@@ -71,4 +71,4 @@ def decode_documents(directory: Path, split: str) -> list[str]:
     sp = load_processor(directory / meta["tokenizer_path"])
     ends = np.flatnonzero(tokens == meta["eos_id"])
     starts = np.concatenate([[0], ends[:-1] + 1])
-    return [sp.decode(tokens[s:e].tolist()) for s, e in zip(starts, ends)]
+    return [sp.decode(tokens[s:e].tolist()) for s, e in zip(starts, ends, strict=True)]

@@ -64,7 +64,7 @@ def test_ids_equal_the_librarys_own_encode(docs: list[str], hf_dir: Path, hf_pre
         tokens = layout.open_tokens(hf_prepared, meta, split)
         starts = layout.document_starts(hf_prepared, split)
         ends = np.append(starts[1:], len(tokens))
-        found += [tokens[s:e].tolist() for s, e in zip(starts, ends)]
+        found += [tokens[s:e].tolist() for s, e in zip(starts, ends, strict=True)]
     expected = [lib.encode(d, add_special_tokens=False).ids + [eos] for d in docs]
     assert sorted(found) == sorted(expected) and meta["splits"]["val"]["documents"] > 0
 

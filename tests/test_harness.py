@@ -84,7 +84,7 @@ def test_multiple_choice_equals_the_harness_hf_model_on_the_export(exported, tmp
     assert len(ll) == 12 and ll.keys() == ref.keys()
     for doc_id, expected in ref.items():
         assert len(ll[doc_id]) == 4
-        for (ours_ll, ours_greedy), (ref_ll, ref_greedy) in zip(ll[doc_id], expected):
+        for (ours_ll, ours_greedy), (ref_ll, ref_greedy) in zip(ll[doc_id], expected, strict=True):
             assert abs(ours_ll - ref_ll) <= 1e-4 and ours_greedy == ref_greedy, doc_id
     # The harness's results JSON sits beside the run's other results.
     written = json.loads((ckpt.parent.parent / "eval" / "lm_eval" / "step-00000004.json").read_text())

@@ -129,10 +129,10 @@ def check_against_float64(impl, kind, dtype, shape, *, weight=True, bias=False, 
     eager = _run(lambda *t: _norm(kind, "torch", *t, offset, cast), inputs, dy, dh)
     exact = _run(lambda *t: _float64_norm(kind, *t, offset), [None if t is None else t.double() for t in inputs],
                  dy, dh)
-    names = ["y", "h"][: 1 + residual] + [f"d{name}" for name, t in zip("xwbr", inputs) if t is not None]
+    names = ["y", "h"][: 1 + residual] + [f"d{name}" for name, t in zip("xwbr", inputs, strict=True) if t is not None]
     assert len(got) == len(eager) == len(exact) == len(names)
     assert got[0].dtype == eager[0].dtype and got[0].shape == x.shape
-    for name, g, e, ref in zip(names, got, eager, exact):
+    for name, g, e, ref in zip(names, got, eager, exact, strict=True):
         err, err_eager = (g.double() - ref).abs().max().item(), (e.double() - ref).abs().max().item()
         bound = 2 * err_eager + ULP[dtype] * ref.abs().max().item()
         assert err <= bound, f"{name}: error {err:.3g} > {bound:.3g} (eager error {err_eager:.3g})"
@@ -177,7 +177,7 @@ def test_fused_add_with_one_output_unused(impl, used):
         y, h = rms_norm(x, w, EPS, residual=r, backend=name)
         ((y if used == "normalized" else h) * _randn((4, 24), torch.float32, device, 3)).sum().backward()
         grads[name] = (x.grad, r.grad, w.grad)
-    for got, want in zip(grads[backend], grads["torch"]):
+    for got, want in zip(grads[backend], grads["torch"], strict=True):
         torch.testing.assert_close(got, want if want is not None else torch.zeros_like(got))
 
 
@@ -318,7 +318,7 @@ def test_compiles_with_fullgraph():
     eager = f(*args)
     eager.backward()
     torch.testing.assert_close(compiled, eager)
-    for g, a in zip(grads, args):
+    for g, a in zip(grads, args, strict=True):
         torch.testing.assert_close(g, a.grad)
 
 

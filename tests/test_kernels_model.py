@@ -7,8 +7,8 @@ norms (OLMo 2), sandwich norms with the (1 + w) gain, and the final norm.
 import pytest
 import torch
 
-from tests.test_kernels_accuracy import TRITON  # sets TRITON_INTERPRET first on CPU-only machines
 from model import ModelConfig, Transformer  # noqa: E402
+from tests.test_kernels_accuracy import TRITON  # sets TRITON_INTERPRET first on CPU-only machines
 
 SIZES = dict(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=16)
 CONFIGS = {
@@ -85,4 +85,4 @@ def test_training_matches_with_kernels_on_and_off(name, kernels, device, full_fp
     torch.testing.assert_close(logits_on, logits_off, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(torch.tensor(losses_on), torch.tensor(losses_off), rtol=1e-5, atol=1e-6)
     for key, value in state_off.items():
-        torch.testing.assert_close(state_on[key], value, rtol=1e-5, atol=1e-6, msg=lambda m: f"{key}: {m}")
+        torch.testing.assert_close(state_on[key], value, rtol=1e-5, atol=1e-6, msg=lambda m, key=key: f"{key}: {m}")

@@ -39,6 +39,7 @@ def test_cache_and_no_cache_generate_the_same():
 @pytest.mark.parametrize("preset", ["llama", "olmo2"])
 def test_greedy_equals_transformers_generate(preset):
     import transformers  # noqa: F401  a test dependency: failing to import it fails this test (never skips)
+
     from model.hf_compat import to_hf
 
     model = _model(preset)

@@ -103,7 +103,7 @@ def test_dyt_forward_and_gradients_match_float64():
     ref = g64 * torch.tanh(a64 * x64) + b64
     (ref * upstream.double()).sum().backward()
     assert torch.allclose(norm(x).double(), ref, atol=1e-6)
-    for got, want in zip((x.grad, norm.alpha.grad, norm.weight.grad, norm.bias.grad), params64):
+    for got, want in zip((x.grad, norm.alpha.grad, norm.weight.grad, norm.bias.grad), params64, strict=True):
         assert torch.allclose(got.double(), want.grad, rtol=1e-5, atol=1e-5)
     # α's gradient by hand: Σ upstream · γ · x · (1 − tanh²(α x))
     t = torch.tanh(a64 * x64).detach()

@@ -158,7 +158,7 @@ def test_pre_norm_stream_grows_with_depth_at_init():
         model(torch.randint(0, 128, (4, 32)))
     s = rec.scalars()
     rms = [s[f"resid/rms/L{l}"] for l in range(8)] + [s["resid/final_in"]]
-    assert all(b > a for a, b in zip(rms, rms[1:])), rms
+    assert all(b > a for a, b in zip(rms, rms[1:], strict=True)), rms
 
 
 def test_grad_norms_per_layer_and_global():

@@ -18,9 +18,8 @@ import torch
 from data.errors import DataError
 from tests.helpers.faults import installed
 from tests.helpers.multiproc import REPO
-from training import checkpoint
+from training import checkpoint, resume
 from training.callbacks.guard import NonFiniteError, NonFiniteGuard
-from training import resume
 from training.callbacks.step_checkpoint import StepCheckpoint
 from training.checkpoint import CheckpointError
 from training.cli import main
@@ -112,7 +111,8 @@ def test_guard_catches_a_nonfinite_loss_with_finite_gradients(workdir, tmp_path,
 
 
 DISK_FULL = (r"saving checkpoint step 4 into .* failed: the disk is full \({rank}OSError: \[Errno 28\] No space left "
-             r"on device.*{moved}\. Earlier checkpoints are intact: free space \(or set --checkpoint.keep_last_n\), then resume with --ckpt_path last")
+             r"on device.*{moved}\. Earlier checkpoints are intact: free space \(or set --checkpoint.keep_last_n\), "
+             r"then resume with --ckpt_path last")
 
 
 @pytest.mark.parametrize("fault", ["enospc_manifest@4", "enospc_shard@4"])
@@ -139,7 +139,8 @@ def test_disk_full_during_save(workdir, fault):
 def test_resume_with_a_vocab_size_smaller_than_the_data(workdir):
     """The model/data vocabulary check, reached through a real fit: data tokenized with 320 pieces, a model with
     256 embeddings."""
-    with pytest.raises(DataError, match=r"tokenized with 320 pieces \(meta.json\), more than the model's vocab_size 256"):
+    message = r"tokenized with 320 pieces \(meta.json\), more than the model's vocab_size 256"
+    with pytest.raises(DataError, match=message):
         fit(workdir, "small-vocab", "--model.vocab_size", "256")
 
 

@@ -178,8 +178,9 @@ def test_launcher_scripts_launch_two_processes(workdir, zero2, script):
     needs SLURM's srun: untested here.)"""
     name = f"script-{script.removesuffix('.sh')}"
     args = fit_args(workdir, name, "zero2")[1:]  # the scripts run `fit` themselves
-    proc = subprocess.run(["bash", str(REPO / "scripts" / script), *args], check=False, cwd=workdir, capture_output=True,
-                          text=True, env=cpu_env(MASTER_PORT=str(free_port()), ACCELERATOR="cpu"), timeout=300)
+    proc = subprocess.run(["bash", str(REPO / "scripts" / script), *args], check=False, cwd=workdir,
+                          capture_output=True, text=True, timeout=300,
+                          env=cpu_env(MASTER_PORT=str(free_port()), ACCELERATOR="cpu"))
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     run = run_dir(workdir, name)
     assert json.loads((ckpt(run, 8) / "manifest.json").read_text())["world_size"] == 2

@@ -50,8 +50,8 @@ def test_z_loss_is_logged_and_train_loss_stays_the_cross_entropy(tmp_path):
     """optim.z_loss: train/z_loss is w · mean(log²Z) of the step's batch, train/loss its cross-entropy alone."""
     torch.manual_seed(0)
     w = 0.1
-    lit = LitLM(vocab_size=64, dim=32, n_layers=2, n_heads=4, max_seq_len=SEQ, optim={"z_loss": w, "lr": 1e-9, "min_lr": 0.0,
-                                                                                       "warmup_steps": 0})
+    optim = {"z_loss": w, "lr": 1e-9, "min_lr": 0.0, "warmup_steps": 0}
+    lit = LitLM(vocab_size=64, dim=32, n_layers=2, n_heads=4, max_seq_len=SEQ, optim=optim)
     lit.configure_model()
     tokens = torch.randint(0, 64, (BATCH, SEQ + 1))
     with torch.no_grad():  # the reference, on materialized logits, before the (negligible, lr 1e-9) update

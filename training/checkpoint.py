@@ -137,8 +137,10 @@ def resolve(ckpt_path: str | None, run_dir: str | Path) -> tuple[str | None, int
     return str(load_path(ckpt_dir)), int(read_manifest(ckpt_dir)["step"])
 
 
-def git_revision(repo: Path = Path(__file__).resolve().parents[1]) -> str:
-    """The commit of the code that is running, `-dirty` if tracked files changed; `unknown` outside git."""
+def git_revision(repo: Path | None = None) -> str:
+    """The commit of the code that is running (of `repo`, default this checkout), `-dirty` if tracked files
+    changed; `unknown` outside git."""
+    repo = repo if repo is not None else Path(__file__).resolve().parents[1]
     def git(*args: str) -> subprocess.CompletedProcess:
         return subprocess.run(["git", *args], cwd=repo, capture_output=True, text=True, timeout=30)
 

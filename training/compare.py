@@ -99,9 +99,9 @@ def config_differences(runs: list[dict[str, Any]]) -> dict[str, list[Any]]:
 
 
 def _table(header: list[str], rows: list[list[str]]) -> str:
-    widths = [max(len(x) for x in col) for col in zip(header, *rows)]
+    widths = [max(len(x) for x in col) for col in zip(header, *rows, strict=False)]
     lines = [header, ["-" * w for w in widths], *rows]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip() for cells in lines)
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(cells, widths, strict=False)).rstrip() for cells in lines)
 
 
 def _fmt(value: Any, spec: str = ".4f") -> str:
@@ -116,7 +116,7 @@ def report(runs: list[dict[str, Any]], summaries: list[dict[str, Any]], last: in
         parts.append(_table(["setting", *names], [[k, *(str(v) for v in vals)] for k, vals in diffs.items()]))
     rows = [[name, f"{_fmt(m['val_loss'])} ± {_fmt(m['val_spread'])}", _fmt(m["bpb"]), str(m["steps"]),
              f"{m['tokens']:,.0f}", _fmt(m["tokens_per_sec"], ",.0f"), _fmt(m["max_attn_logit"], ".2f"),
-             _fmt(m["resid_growth"], ".2f")] for name, m in zip(names, summaries)]
+             _fmt(m["resid_growth"], ".2f")] for name, m in zip(names, summaries, strict=False)]
     parts += ["", f"final metrics (± = std over the last {last} evaluations):",
               _table(["run", "val loss", "bpb", "steps", "tokens", "tok/s", "max attn logit", "resid growth"], rows)]
     return "\n".join(parts) + "\n"
@@ -134,7 +134,7 @@ def plot(runs: list[dict[str, Any]], out: Path) -> None:
         for tag, style in (("train/loss", "-"), ("val/loss", "--")):
             points = run["scalars"].get(tag, [])
             if points:
-                steps, values = zip(*points)
+                steps, values = zip(*points, strict=False)
                 ax.plot(np.array(steps) * per_step, values, style, label=f"{run['dir'].name} {tag.split('/')[0]}")
     ax.set_xlabel("tokens")
     ax.set_ylabel("loss")

@@ -22,8 +22,16 @@ from typing import Any
 import torch
 import yaml
 
-from training.checkpoint import (CONFIG_FILE, MANIFEST, MODEL_CONFIG_FILE, checkpoints_dir, complete_checkpoints,
-                                 read_manifest, step_dirname, write_text_atomic)
+from training.checkpoint import (
+    CONFIG_FILE,
+    MANIFEST,
+    MODEL_CONFIG_FILE,
+    checkpoints_dir,
+    complete_checkpoints,
+    read_manifest,
+    step_dirname,
+    write_text_atomic,
+)
 from training.evaluate import log_to_tensorboard, parse_sets, plan_sets, score, split_line
 from training.loading import CheckpointError, load_checkpoint
 

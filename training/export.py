@@ -22,6 +22,7 @@ from model.hf_compat import hf_family, to_hf
 from training.errors import UserError, report
 from training.loading import NORMLAB_EXPORT_CONFIG, CheckpointError, Loaded, load_checkpoint
 
+
 def _special_tokens(tokenizer_path: Path) -> dict[str, tuple[str, int]]:
     if tokenizer_path.suffix == ".json":
         return _hf_special_tokens(tokenizer_path)
@@ -44,7 +45,8 @@ def _hf_special_tokens(tokenizer_path: Path) -> dict[str, tuple[str, int]]:
 
 def write_hf_tokenizer(tokenizer_path: Path, out: Path) -> None:
     """The tokenizer for `AutoTokenizer`: a Hugging Face `tokenizer.json` as it is (with its special tokens
-    named), or a `tokenizers` BPE equivalent of the sentencepiece model (same ids for any text), saved for AutoTokenizer.
+    named), or a `tokenizers` BPE equivalent of the sentencepiece model (same ids for any text), saved for
+    AutoTokenizer.
 
     Built directly rather than through transformers' Llama converter, which prepends "▁" to every text —
     normlab's tokenizer is trained without that dummy prefix, so the converter would change the ids.

@@ -35,7 +35,8 @@ def model_fields(init: Callable) -> Callable:
     params = [p.replace(annotation=own.get(p.name, p.annotation)) for p in signature.parameters.values()
               if p.kind is not p.VAR_KEYWORD]
     params += [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=None,
-                                 annotation=Optional[hints[f.name]]) for f in dataclasses.fields(ModelConfig)]
+                                 annotation=Optional[hints[f.name]])  # noqa: UP045 (typing's form, as jsonargparse reads it)
+               for f in dataclasses.fields(ModelConfig)]
     init.__signature__ = signature.replace(parameters=params)
     return init
 
@@ -145,13 +146,13 @@ class LitLM(LightningModule):
             self.log("step", float(self.global_step), sync_dist=True)
         losses = [total / max(count, 1) for total, count, _, _ in sums]
         # val/loss: the data's own validation split (a mixture: its sources' losses, weighted as the mixture)
-        main = [(v.weight if v is not None else 1.0, loss) for v, loss in zip(self._val_sets, losses)
+        main = [(v.weight if v is not None else 1.0, loss) for v, loss in zip(self._val_sets, losses, strict=False)
                 if v is None or v.weight > 0]
         if main:  # (none when the data has no validation split of its own, only named held-out sets)
             loss = sum(w * x for w, x in main) / sum(w for w, _ in main)
             self.log(f"{split}/loss", loss, sync_dist=True)
             self.log(f"{split}/ppl", math.exp(loss) if loss < 700 else math.inf, sync_dist=True)  # exp overflows >709
-        for val_set, x, (_, _, tokens, nbytes) in zip(self._val_sets, losses, sums):
+        for val_set, x, (_, _, tokens, nbytes) in zip(self._val_sets, losses, sums, strict=False):
             if val_set is not None and val_set.name:
                 self.log(f"{split}/{val_set.name}/loss", x, sync_dist=True)
                 self.log(f"{split}/{val_set.name}/bpb", x / math.log(2) * tokens / max(nbytes, 1), sync_dist=True)

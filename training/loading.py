@@ -20,8 +20,15 @@ import torch
 import yaml
 
 from model import ModelConfig, Transformer
-from training.checkpoint import (CONFIG_FILE, LIGHTNING_FILE, MANIFEST, MODEL_CONFIG_FILE, CheckpointError,
-                                 read_manifest, verify_files)
+from training.checkpoint import (
+    CONFIG_FILE,
+    LIGHTNING_FILE,
+    MANIFEST,
+    MODEL_CONFIG_FILE,
+    CheckpointError,
+    read_manifest,
+    verify_files,
+)
 
 log = logging.getLogger(__name__)
 

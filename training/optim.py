@@ -51,7 +51,8 @@ class OptimConfig:
         if self.decay_shape not in DECAY_SHAPES:
             raise ValueError(f"optim.decay_shape={self.decay_shape!r} is not valid; choose one of {list(DECAY_SHAPES)}")
         if not 0 < self.decay_fraction <= 1:
-            raise ValueError(f"optim.decay_fraction={self.decay_fraction} must be in (0, 1] (0.2: the last 20% of steps)")
+            raise ValueError(f"optim.decay_fraction={self.decay_fraction} must be in (0, 1] "
+                             "(0.2: the last 20% of steps)")
         if not self.z_loss >= 0:
             raise ValueError(f"optim.z_loss={self.z_loss} must be >= 0 (0 turns it off; PaLM uses 1e-4)")
         unknown = set(self.no_decay) - set(PARAM_KINDS)

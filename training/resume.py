@@ -16,8 +16,15 @@ from typing import Any
 
 from lightning.pytorch import LightningModule, Trainer
 
-from training.checkpoint import (MODEL_CONFIG_FILE, CheckpointError, complete_checkpoints, config_hash, file_hash,
-                                 read_manifest, verify_files)
+from training.checkpoint import (
+    MODEL_CONFIG_FILE,
+    CheckpointError,
+    complete_checkpoints,
+    config_hash,
+    file_hash,
+    read_manifest,
+    verify_files,
+)
 
 log = logging.getLogger(__name__)
 

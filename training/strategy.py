@@ -33,8 +33,12 @@ from lightning.pytorch.accelerators import CUDAAccelerator
 from lightning.pytorch.strategies import DeepSpeedStrategy, Strategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 
-from training.compat import (DeepSpeedStrategyPatches, load_universal_checkpoint, repair_zero3_universal_load,
-                             restore_full_weights)
+from training.compat import (
+    DeepSpeedStrategyPatches,
+    load_universal_checkpoint,
+    repair_zero3_universal_load,
+    restore_full_weights,
+)
 
 log = logging.getLogger(__name__)
 

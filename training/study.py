@@ -157,7 +157,7 @@ class Claim:
 
 
 def _increasing_fraction(xs: list[float]) -> float:
-    return sum(b > a for a, b in zip(xs, xs[1:])) / max(1, len(xs) - 1)
+    return sum(b > a for a, b in zip(xs, xs[1:], strict=False)) / max(1, len(xs) - 1)
 
 
 def _fmt(xs: list[float]) -> str:
@@ -212,8 +212,9 @@ def evaluate(results: dict[str, Result], scale: Scale) -> list[Claim]:
 
     g_pre, g_post = init_grad_profile("pre", scale), init_grad_profile("post", scale)
     spread = {k: max(g) / min(g) for k, g in (("pre", g_pre), ("post", g_post))}
-    claims.append(Claim(5, "At initialization, pre-norm gradient norms are roughly flat across layers while post-norm's "
-                           "are not (Xiong et al. 2020).", spread["pre"] < 2 and spread["post"] > 2 * spread["pre"],
+    claims.append(Claim(5, "At initialization, pre-norm gradient norms are roughly flat across layers while "
+                           "post-norm's are not (Xiong et al. 2020).",
+                        spread["pre"] < 2 and spread["post"] > 2 * spread["pre"],
                         f"per-block gradient norm at init, {len(g_pre)} layers, Xavier-scale init as in the paper: "
                         f"pre-norm {_fmt(g_pre)} (max/min {spread['pre']:.2f}); post-norm {_fmt(g_post)} "
                         f"(max/min {spread['post']:.2f}) (pass: pre < 2 and post > 2× pre)",
@@ -241,7 +242,8 @@ def evaluate(results: dict[str, Result], scale: Scale) -> list[Claim]:
     close = abs(base.final_loss - ln.final_loss) <= 0.02 * ln.final_loss
     claims.append(Claim(7, "RMSNorm reaches about the same loss as LayerNorm, in less time per step.",
                         close and t_rms < t_ln,
-                        f"final loss RMSNorm {base.final_loss:.4f}, LayerNorm {ln.final_loss:.4f} (within 2%: {close}); "
+                        f"final loss RMSNorm {base.final_loss:.4f}, LayerNorm {ln.final_loss:.4f} "
+                        f"(within 2%: {close}); "
                         f"median training step {t_rms * 1e3:.1f} ms vs {t_ln * 1e3:.1f} ms, timed alternately in one "
                         f"process (norms are {_norm_share(scale):.1%} of the FLOPs at this size, so the gap is small)"))
 

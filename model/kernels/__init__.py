@@ -50,7 +50,7 @@ def _triton_import_error() -> str | None:
 def _triton_on_cuda() -> bool:
     error = _triton_import_error()
     if error:
-        warnings.warn(f"normlab: Triton is unavailable ({error}); CUDA norms use the PyTorch composite")
+        warnings.warn(f"normlab: Triton is unavailable ({error}); CUDA norms use the PyTorch composite", stacklevel=2)
     return error is None
 
 

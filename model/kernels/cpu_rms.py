@@ -222,14 +222,15 @@ def library() -> ctypes.CDLL | None:
     """The compiled kernels, built on first use; None (with one warning) when no compiler can build them."""
     compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
     if compiler is None:
-        warnings.warn("normlab: no C++ compiler found; CPU RMSNorm uses the slower PyTorch composite")
+        warnings.warn("normlab: no C++ compiler found; CPU RMSNorm uses the slower PyTorch composite", stacklevel=2)
         return None
     key = hashlib.sha256(f"{_SOURCE}\0{compiler}\0{_machine_tag()}".encode()).hexdigest()[:16]
     target = _cache_dir() / f"rms_norm_{key}.so"
     if not target.exists():
         error = _compile(compiler, target)
         if error:
-            warnings.warn(f"normlab: could not build the CPU RMSNorm kernel, using the PyTorch composite:\n{error}")
+            warnings.warn(f"normlab: could not build the CPU RMSNorm kernel, using the PyTorch composite:\n{error}",
+                          stacklevel=2)
             return None
     lib = ctypes.CDLL(str(target))
     i64, f32, ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p

@@ -12,7 +12,6 @@ kernel on the CPU benchmark shape (~0.5 ms per forward+backward). `test_compiles
 two against each other.
 """
 import importlib
-from typing import Optional
 
 import torch
 from torch import Tensor
@@ -37,7 +36,7 @@ def _setup_context(ctx, inputs, output) -> None:
     ctx.dtypes = (x.dtype, None if residual is None else residual.dtype)
 
 
-def _backward(ctx, norm_bwd, dy: Optional[Tensor], dh: Optional[Tensor]) -> tuple:
+def _backward(ctx, norm_bwd, dy: Tensor | None, dh: Tensor | None) -> tuple:
     """Gradients for (x, weight, bias, residual, eps, offset, rms, gemma_cast)."""
     h, weight, bias, mean, rstd = ctx.saved_tensors
     x_dtype, residual_dtype = ctx.dtypes
@@ -54,7 +53,7 @@ def _define(name: str):
         return _implementation(name)
 
     @torch.library.custom_op(f"normlab::{name}_norm_fwd", mutates_args=())
-    def forward(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], residual: Optional[Tensor],
+    def forward(x: Tensor, weight: Tensor | None, bias: Tensor | None, residual: Tensor | None,
                 eps: float, offset: float, rms: bool, gemma_cast: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         return impl().norm_fwd(x, weight, bias, residual, eps, offset, rms, gemma_cast)
 
@@ -63,7 +62,7 @@ def _define(name: str):
         return common.empty_forward(x, weight, residual, rms, gemma_cast)
 
     @torch.library.custom_op(f"normlab::{name}_norm_bwd", mutates_args=())
-    def backward_op(dy: Tensor, dh: Optional[Tensor], h: Tensor, weight: Optional[Tensor], bias: Optional[Tensor],
+    def backward_op(dy: Tensor, dh: Tensor | None, h: Tensor, weight: Tensor | None, bias: Tensor | None,
                     mean: Tensor, rstd: Tensor, offset: float, rms: bool,
                     gemma_cast: bool) -> tuple[Tensor, Tensor, Tensor]:
         return impl().norm_bwd(dy, dh, h, weight, bias, mean, rstd, offset, rms, gemma_cast)
@@ -97,8 +96,8 @@ class _Eager(torch.autograd.Function):
         return None, *_backward(ctx, _implementation(ctx.name).norm_bwd, dy, dh)
 
 
-def fused_norm(implementation: str, x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor],
-               residual: Optional[Tensor], eps: float, offset: float, rms: bool, gemma_cast: bool):
+def fused_norm(implementation: str, x: Tensor, weight: Tensor | None, bias: Tensor | None,
+               residual: Tensor | None, eps: float, offset: float, rms: bool, gemma_cast: bool):
     """The normalized tensor, or `(normalized, x + residual)` when `residual` is given."""
     common.check_inputs(x, weight, bias, residual)
     inputs = (x, weight, bias, residual, float(eps), float(offset), rms, gemma_cast)

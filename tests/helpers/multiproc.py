@@ -63,7 +63,7 @@ def _run_nodes(commands: list[list[str]], cwd: Path, what: str, timeout: float) 
         for p in procs:
             if p.poll() is None:
                 p.kill()
-    for node, (p, out) in enumerate(zip(procs, outputs)):
+    for node, (p, out) in enumerate(zip(procs, outputs, strict=True)):
         if p.returncode != 0:
             _fail(f"{what}, node {node}", out)
 

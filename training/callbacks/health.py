@@ -2,7 +2,8 @@
 
 Every `every_n_steps` optimizer steps, and at step 0 (an init audit), the first micro-batch of the step runs
 with the probes' forward hooks attached (`model.probes.record`: residual-stream RMS and update ratios per layer,
-softmax statistics from sampled query rows; the training forward itself is unchanged), and after its backward the per-layer gradient norms are read — correctly under
+softmax statistics from sampled query rows; the training forward itself is unchanged), and after its backward
+the per-layer gradient norms are read — correctly under
 ZeRO 1/2/3, where `p.grad` is partitioned or None, through DeepSpeed's `safe_get_full_grad` (called by every
 rank in the same order: it is a collective). On other steps nothing is attached and nothing runs.
 

@@ -34,10 +34,28 @@ from typing import Any
 from lightning.pytorch import Callback, LightningModule, Trainer
 
 from training.callbacks.stop_signals import StopSignals
-from training.checkpoint import (CONFIG_FILE, DEEPSPEED_TAG, LIGHTNING_FILE, MANIFEST, MODEL_CONFIG_FILE, TMP_PREFIX,
-                                 CheckpointError, checkpoints_dir, ckpt_dir_of, complete_checkpoints, config_hash,
-                                 file_hash, file_sizes, fsync_path, git_revision, incomplete_checkpoints, move_aside,
-                                 step_dirname, versions, write_text_atomic)
+from training.checkpoint import (
+    CONFIG_FILE,
+    DEEPSPEED_TAG,
+    LIGHTNING_FILE,
+    MANIFEST,
+    MODEL_CONFIG_FILE,
+    TMP_PREFIX,
+    CheckpointError,
+    checkpoints_dir,
+    ckpt_dir_of,
+    complete_checkpoints,
+    config_hash,
+    file_hash,
+    file_sizes,
+    fsync_path,
+    git_revision,
+    incomplete_checkpoints,
+    move_aside,
+    step_dirname,
+    versions,
+    write_text_atomic,
+)
 from training.compat import hold_checkpoint_writes
 from training.distributed import gather_objects
 from training.resume import check_resume

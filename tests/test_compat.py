@@ -49,8 +49,8 @@ def test_checkpoint_write_patch_is_undone():
     io = SimpleNamespace(save_checkpoint=lambda checkpoint, path: written.append(("io", path)))
     original = io.save_checkpoint
 
-    def hold(write, path_arg):
-        return lambda *args: written.append(("held", args[path_arg])) or write(*args)
+    def hold(write):
+        return lambda *args: written.append(("held", args[1])) or write(*args)
 
     with compat.hold_checkpoint_writes(SimpleNamespace(checkpoint_io=io), False, hold):
         io.save_checkpoint({}, "a")

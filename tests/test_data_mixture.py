@@ -152,3 +152,7 @@ def test_per_source_and_named_validation_in_a_real_fit(dirs: dict[str, Path], tm
     result = evaluate(run / "checkpoints" / "step-00000004", data=dirs["more"], log_to_run=False)
     assert result["loss"] == pytest.approx(held, rel=1e-5)
     assert scalars(run, "val/held/bpb")[4] == pytest.approx(result["bits_per_byte"], rel=1e-5)
+    # Without --data, a mixture run is scored on each source, by name, on the windows the loop used.
+    from training.evaluate import evaluate_sets
+    by_name = {r["set"]: r["loss"] for r in evaluate_sets(run / "checkpoints" / "step-00000004", log_to_run=False)}
+    assert by_name == pytest.approx({"prose": prose, "more": more}, rel=1e-5)

@@ -1,5 +1,6 @@
 """Probe values checked by hand, and the probes' effect (none) on the model's output."""
 import copy
+import itertools
 import math
 
 import pytest
@@ -158,7 +159,7 @@ def test_pre_norm_stream_grows_with_depth_at_init():
         model(torch.randint(0, 128, (4, 32)))
     s = rec.scalars()
     rms = [s[f"resid/rms/L{l}"] for l in range(8)] + [s["resid/final_in"]]
-    assert all(b > a for a, b in zip(rms, rms[1:], strict=True)), rms
+    assert all(b > a for a, b in itertools.pairwise(rms)), rms
 
 
 def test_grad_norms_per_layer_and_global():

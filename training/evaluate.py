@@ -88,12 +88,19 @@ def plan_sets(specs: list[tuple[str | None, Path | None]], run_config: dict[str,
     else after their directory."""
     run_data = run_config.get("data") or {}
     seq_len = min(int(run_data.get("seq_len") or max_seq_len), max_seq_len)
+    run_path = run_data.get("path")
+    # The run's own directories (a mixture's sources, its named held-out sets): their validation windows are the
+    # ones the run scored in the loop.
+    run_dirs = {Path(d) for d in (run_path if isinstance(run_path, dict) else [run_path] if run_path else [])}
+    run_dirs |= {Path(d) for d in (run_data.get("val_sets") or {}).values()}
+    if isinstance(run_path, dict) and (None, None) in specs:  # no --data, a mixture: each source, by its name
+        specs = [s for s in specs if s != (None, None)] + [(Path(d).name, Path(d)) for d in run_path]
     out: list[HeldOut] = []
     for name, data_dir in specs:
         if data_dir is None:
-            if not run_data.get("path"):
+            if not run_path:
                 raise CheckpointError(f"'{where}' does not record its data directory; pass --data DIR")
-            data_dir = Path(run_data["path"])
+            data_dir = Path(run_path)
         meta = read_meta(data_dir)
         if meta is None:
             raise CheckpointError(f"no prepared data at '{data_dir}' (no meta.json); run `normlab prepare` or "
@@ -108,7 +115,7 @@ def plan_sets(specs: list[tuple[str | None, Path | None]], run_config: dict[str,
         tokens = open_tokens(data_dir, meta, split)
         if max_tokens is not None:
             n_windows = max(1, max_tokens // seq_len)
-        elif data_dir == Path(run_data.get("path") or "") and run_data.get("val_batches") and run_data.get(
+        elif data_dir in run_dirs and run_data.get("val_batches") and run_data.get(
                 "batch_size"):  # the run's own validation set
             n_windows = int(run_data["val_batches"]) * int(run_data["batch_size"])
         else:

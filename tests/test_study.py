@@ -95,6 +95,8 @@ FLAT, STEEP = [1.0, 1.5, 1.2, 1.1], [1.0, 4.0, 2.0, 1.0]  # per-layer gradient n
     (1, {"pre-rms": dict(end=synthetic_metrics(rms=(1, 2, 3, 3.5), final=3.9)),
          "pre-rms-depth": dict(end=synthetic_metrics(final=3.0))}, (FLAT, STEEP), (0.9, 1.0)),  # all up, < 2x
     (2, {"pre-rms": dict(end=synthetic_metrics(ratio=(0.5, 0.2, 0.3, 0.4)))}, (FLAT, STEEP), (0.9, 1.0)),
+    # second half below the first, but half the steps go up (> 40%)
+    (2, {"pre-rms": dict(end=synthetic_metrics(ratio=(0.9, 0.5, 0.1, 0.3)))}, (FLAT, STEEP), (0.9, 1.0)),
     (3, {"pre-rms-depth": dict(end=synthetic_metrics(final=6.0))}, (FLAT, STEEP), (0.9, 1.0)),
     (4, {"post-ln-high-nowarm": dict(loss=3.52)}, (FLAT, STEEP), (0.9, 1.0)),
     (4, {"pre-rms-high-nowarm": dict(diverged_at=5, end=synthetic_metrics(logit=10.0, sat=0.3))}, (FLAT, STEEP),

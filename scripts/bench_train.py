@@ -20,6 +20,7 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -35,6 +36,46 @@ from model.optimize import compile_blocks, enable_activation_checkpointing  # no
 def sync(device: str) -> None:
     if device == "cuda":
         torch.cuda.synchronize()
+
+
+def add_model_args(ap: argparse.ArgumentParser) -> None:
+    """The device, dtype and Llama-style model/batch flags shared by the training benchmarks."""
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--dim", type=int, default=256)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--kv-heads", type=int, default=None)
+    ap.add_argument("--seq", type=int, default=256)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--vocab", type=int, default=8192)
+
+
+def training_step(args: argparse.Namespace) -> tuple[ModelConfig, Callable[[], torch.Tensor]]:
+    """normlab's model from the flags (regionally compiled with --compile), fused AdamW and bf16 autocast for
+    --dtype bfloat16 (bf16-mixed, as training uses it); returns the config and one training step on random
+    tokens, which returns its loss."""
+    dev = args.device
+    torch.manual_seed(0)
+    torch.backends.cuda.matmul.allow_tf32 = True
+    cfg = ModelConfig.preset("llama", vocab_size=args.vocab, dim=args.dim, n_layers=args.layers,
+                             n_heads=args.heads, n_kv_heads=args.kv_heads, max_seq_len=args.seq)
+    model = Transformer(cfg).to(dev)
+    if args.compile:
+        compile_blocks(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=True)
+    amp = torch.autocast(dev, dtype=torch.bfloat16, enabled=args.dtype == "bfloat16")
+
+    def step() -> torch.Tensor:
+        x = torch.randint(0, args.vocab, (args.batch, args.seq + 1), device=dev)
+        with amp:
+            loss = model(x[:, :-1], targets=x[:, 1:])
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    return cfg, step
 
 
 def matmul_ceiling(device: str, dtype: torch.dtype, n: int = 1024, reps: int = 20) -> float:
@@ -67,15 +108,7 @@ def activation_bytes(step_forward) -> int:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    ap.add_argument("--dim", type=int, default=256)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--heads", type=int, default=8)
-    ap.add_argument("--kv-heads", type=int, default=None)
-    ap.add_argument("--seq", type=int, default=256)
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--vocab", type=int, default=8192)
+    add_model_args(ap)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--steps", type=int, default=3, help="timed steps per model per round")
     ap.add_argument("--compile", action="store_true", help="also time regional torch.compile")
@@ -158,27 +191,10 @@ def main() -> None:
 def train_for(args: argparse.Namespace) -> None:
     """Train normlab's model alone for --train-seconds (random tokens) and print tokens/s and MFU."""
     dev = args.device
-    torch.manual_seed(0)
-    torch.backends.cuda.matmul.allow_tf32 = True
-    cfg = ModelConfig.preset("llama", vocab_size=args.vocab, dim=args.dim, n_layers=args.layers,
-                             n_heads=args.heads, n_kv_heads=args.kv_heads, max_seq_len=args.seq)
-    model = Transformer(cfg).to(dev)
-    if args.compile:
-        compile_blocks(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=True)
-    amp = torch.autocast(dev, dtype=torch.bfloat16, enabled=args.dtype == "bfloat16")
+    cfg, step = training_step(args)
     tokens = args.batch * args.seq
     print(f"training {cfg.num_params() / 1e6:.0f}M params, {tokens} tokens/step, device={dev} dtype={args.dtype} "
           f"compile={args.compile}", flush=True)
-
-    def step() -> float:
-        x = torch.randint(0, args.vocab, (args.batch, args.seq + 1), device=dev)
-        with amp:
-            loss = model(x[:, :-1], targets=x[:, 1:])
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss
 
     for _ in range(3):  # warm-up and compile
         step()

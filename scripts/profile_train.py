@@ -25,10 +25,8 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
+from bench_train import add_model_args, training_step  # noqa: E402  (scripts/ is on sys.path when run)
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
-
-from model import ModelConfig, Transformer  # noqa: E402
-from model.optimize import compile_blocks  # noqa: E402
 
 # First match wins; names are lower-cased. Order matters: "softmax" in an attention kernel is attention.
 BUCKETS = (
@@ -50,37 +48,14 @@ def bucket(name: str) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    ap.add_argument("--dim", type=int, default=256)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--heads", type=int, default=8)
-    ap.add_argument("--seq", type=int, default=256)
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--vocab", type=int, default=8192)
+    add_model_args(ap)
     ap.add_argument("--steps", type=int, default=5, help="profiled steps")
     ap.add_argument("--compile", action="store_true", help="regional torch.compile of each block")
     ap.add_argument("--out", default=None, help="also write the report to this file")
     args = ap.parse_args()
 
     dev = args.device
-    torch.manual_seed(0)
-    torch.backends.cuda.matmul.allow_tf32 = True
-    cfg = ModelConfig.preset("llama", vocab_size=args.vocab, dim=args.dim, n_layers=args.layers,
-                             n_heads=args.heads, max_seq_len=args.seq)
-    model = Transformer(cfg).to(dev)
-    if args.compile:
-        compile_blocks(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=True)
-    amp = torch.autocast(dev, dtype=torch.bfloat16, enabled=args.dtype == "bfloat16")
-
-    def step() -> None:
-        x = torch.randint(0, args.vocab, (args.batch, args.seq + 1), device=dev)
-        with amp:
-            loss = model(x[:, :-1], targets=x[:, 1:])
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+    cfg, step = training_step(args)
 
     def sync() -> None:
         if dev == "cuda":

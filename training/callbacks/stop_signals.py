@@ -60,7 +60,7 @@ class StopSignals:
     def agreed(self, trainer: Trainer) -> bool:
         """Whether any rank received a stop signal — the same answer on every rank. A collective: every rank
         must call it at the same step boundaries."""
+        if trainer.world_size == 1:  # no collective, and no device tensor to read back (a GPU sync every step)
+            return self.received is not None
         flag = torch.tensor(float(self.received is not None), device=trainer.strategy.root_device)
-        if trainer.world_size > 1:
-            flag = trainer.strategy.reduce(flag, reduce_op="sum")
-        return bool(flag.item() > 0)
+        return bool(trainer.strategy.reduce(flag, reduce_op="sum").item() > 0)

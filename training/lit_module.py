@@ -146,13 +146,13 @@ class LitLM(LightningModule):
             self.log("step", float(self.global_step), sync_dist=True)
         losses = [total / max(count, 1) for total, count, _, _ in sums]
         # val/loss: the data's own validation split (a mixture: its sources' losses, weighted as the mixture)
-        main = [(v.weight if v is not None else 1.0, loss) for v, loss in zip(self._val_sets, losses, strict=False)
+        main = [(v.weight if v is not None else 1.0, loss) for v, loss in zip(self._val_sets, losses, strict=True)
                 if v is None or v.weight > 0]
         if main:  # (none when the data has no validation split of its own, only named held-out sets)
             loss = sum(w * x for w, x in main) / sum(w for w, _ in main)
             self.log(f"{split}/loss", loss, sync_dist=True)
             self.log(f"{split}/ppl", math.exp(loss) if loss < 700 else math.inf, sync_dist=True)  # exp overflows >709
-        for val_set, x, (_, _, tokens, nbytes) in zip(self._val_sets, losses, sums, strict=False):
+        for val_set, x, (_, _, tokens, nbytes) in zip(self._val_sets, losses, sums, strict=True):
             if val_set is not None and val_set.name:
                 self.log(f"{split}/{val_set.name}/loss", x, sync_dist=True)
                 self.log(f"{split}/{val_set.name}/bpb", x / math.log(2) * tokens / max(nbytes, 1), sync_dist=True)

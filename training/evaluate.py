@@ -10,6 +10,7 @@ checkpoint's step); `--checkpoint runs/NAME` evaluates every checkpoint of the r
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 import math
@@ -34,8 +35,10 @@ from training.loading import CheckpointError, load_checkpoint
 log = logging.getLogger(__name__)
 
 
+@functools.lru_cache(maxsize=8)  # a run's history scores many checkpoints with the same tokenizer
 def piece_bytes(tokenizer_path: Path, vocab_size: int) -> np.ndarray:
-    """UTF-8 bytes each token id stands for (byte pieces 1, special/control pieces such as EOS 0)."""
+    """UTF-8 bytes each token id stands for (byte pieces 1, special/control pieces such as EOS 0). Cached:
+    callers only read it."""
     out = np.zeros(vocab_size, dtype=np.int64)
     per_id = load_tokenizer(tokenizer_path).piece_bytes()[:vocab_size]
     out[:len(per_id)] = per_id

@@ -29,7 +29,7 @@ from data import meta as layout
 from data.dataset import TrainBatches, ValBatches, check_enough_tokens
 from data.errors import DataError
 from data.mixture import MixtureBatches
-from data.prepare import DEFAULT_OUTPUT, ensure_default_corpus
+from data.prepare import DEFAULT_OUTPUT, DEFAULT_VOCAB_SIZE, ensure_default_corpus
 from data.tokenizer import sha256_file
 
 
@@ -95,6 +95,10 @@ class TokenDataModule(L.LightningDataModule):
 
     @property
     def vocab_size(self) -> int:
+        """Pieces of the data's tokenizer (meta.json). The default corpus, before its first build (in
+        `prepare_data`), has the size it will be built with — so the model can be configured from it first."""
+        if self._is_default_path() and not self._complete():
+            return DEFAULT_VOCAB_SIZE
         return int(self.meta["vocab_size"])
 
     @property

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 import re
 import subprocess
@@ -129,3 +130,45 @@ def test_every_command_resolves(command):
 @pytest.mark.parametrize("script", ["launch_deepspeed.sh", "launch_torchrun.sh", "slurm.sbatch"])
 def test_launcher_scripts_are_valid_bash(script):
     assert subprocess.run(["bash", "-n", str(REPO / "scripts" / script)]).returncode == 0
+
+
+def no_training(monkeypatch) -> list:
+    """Replace Trainer.fit (keeping its signature, from which LightningCLI builds the subcommand) with one that
+    only records the module it was given."""
+    from lightning.pytorch import Trainer
+
+    built = []
+
+    @functools.wraps(Trainer.fit)
+    def record(self, model, *args, **kwargs):
+        built.append(model)
+
+    monkeypatch.setattr(Trainer, "fit", record)
+    return built
+
+
+@pytest.mark.parametrize("extra, expected", [
+    ([], (320, 16)),  # the tiny corpus's tokenizer pieces and data.seq_len
+    (["--model.vocab_size", "384", "--model.max_seq_len", "64"], (384, 64)),  # a padded vocab, a longer RoPE table
+])
+def test_the_data_gives_the_model_its_vocab_and_context(workdir, tmp_path, monkeypatch, capsys, extra, expected):
+    """`data.vocab_size` and `data.seq_len` reach the module through the CLI's linked arguments, as the defaults of
+    the model's fields: the config is complete when the classes are built (Trainer.fit replaced: no training)."""
+    built = no_training(monkeypatch)
+    code, _, err = run(["fit", "--data.path", str(workdir / "tiny"), "--data.seq_len", "16",
+                        "--runs_dir", str(tmp_path), *extra], capsys)
+    assert code in (0, None), err
+    assert (built[0].config.vocab_size, built[0].config.max_seq_len) == expected
+
+
+def test_a_fresh_machine_configures_the_model_before_the_default_corpus_exists(tmp_path, monkeypatch, capsys):
+    """Before its first build the default corpus reports the vocabulary it will be built with, so the model is
+    configured without building anything (that happens in prepare_data, on one process per node)."""
+    from data.prepare import DEFAULT_OUTPUT, DEFAULT_VOCAB_SIZE
+
+    monkeypatch.chdir(tmp_path)
+    built = no_training(monkeypatch)
+    code, _, err = run(["fit", "--runs_dir", str(tmp_path / "runs")], capsys)
+    assert code in (0, None), err
+    assert (built[0].config.vocab_size, built[0].config.max_seq_len) == (DEFAULT_VOCAB_SIZE, 256)
+    assert not (tmp_path / DEFAULT_OUTPUT).exists()

@@ -78,6 +78,10 @@ class NormlabCLI(LightningCLI):
         parser.link_arguments(("runs_dir", "name"), "trainer.default_root_dir", compute_fn=run_dir)
         parser.add_class_arguments(OptimConfig, "optim")
         parser.link_arguments("optim", "model.optim", apply_on="instantiate")
+        # The data decides the model's defaults for its vocabulary and context (`model.vocab_size` /
+        # `model.max_seq_len` still override them): read from the built datamodule, before the model is built.
+        parser.link_arguments("data.vocab_size", "model.data_vocab_size", apply_on="instantiate")
+        parser.link_arguments("data.seq_len", "model.data_seq_len", apply_on="instantiate")
         parser.add_lightning_class_args(StepCheckpoint, "checkpoint")
         parser.add_lightning_class_args(Throughput, "throughput")
         parser.add_lightning_class_args(TrainingHealth, "metrics")

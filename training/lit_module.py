@@ -5,8 +5,10 @@ Thin on purpose: the optimizer and schedule live in `optim.py`, DeepSpeed in `st
 
 The model's fields are `ModelConfig`'s own, read from the dataclass (`model_fields`): LightningCLI builds the
 module with `lit_lm`, whose signature offers each as `--model.<field>` (e.g. `--model.placement post`), each None
-= "the preset's value". `vocab_size` and `max_seq_len` default to the data's tokenizer and sequence length, read
-at setup — after `prepare_data` has built the corpus if it was missing.
+= "the preset's value". The data's tokenizer size and sequence length reach the module through two linked
+arguments (`data_vocab_size`, `data_seq_len`: `NormlabCLI` links `data.vocab_size` and `data.seq_len` to them when
+it builds the classes), and are the defaults of `vocab_size` and `max_seq_len`: so the model is complete at
+construction, and both stay settable (a vocabulary padded to a multiple of 64, a longer RoPE table).
 """
 from __future__ import annotations
 
@@ -45,42 +47,38 @@ class LitLM(LightningModule):
     """Next-token language modelling of a `model.Transformer` built from `preset` + field overrides."""
 
     def __init__(self, preset: str = "llama", optim: OptimConfig | None = None, compile: bool = False,
-                 activation_checkpointing: bool = False, **fields: Any) -> None:
+                 activation_checkpointing: bool = False, data_vocab_size: int | None = None,
+                 data_seq_len: int | None = None, **fields: Any) -> None:
         """`preset` (see `model.PRESETS`) plus any `ModelConfig` field; `optim` is the `--optim.*` group.
 
         `compile`: `torch.compile` each block separately (regional, see model/optimize.py); `activation_checkpointing`:
-        recompute each block in backward instead of keeping its activations.
+        recompute each block in backward instead of keeping its activations. `data_vocab_size` / `data_seq_len`:
+        the data's tokenizer size and sequence length (linked from the datamodule by the CLI), the defaults of
+        `vocab_size` / `max_seq_len` — without them (and without those fields) the preset's values.
         """
         super().__init__()
         self.compile, self.activation_checkpointing = compile, activation_checkpointing
         self.preset = preset
         self.overrides = {k: v for k, v in fields.items() if v is not None}
         self.optim = OptimConfig(**optim) if isinstance(optim, dict) else (optim or OptimConfig())
-        ModelConfig.preset(preset, **self.overrides)  # fail on a bad value or an unknown field now, not after start
+        from_data = {k: v for k, v in (("vocab_size", data_vocab_size), ("max_seq_len", data_seq_len)) if v is not None}
+        # The whole config now, so a bad value or an unknown field fails before anything starts.
+        self.config = ModelConfig.preset(preset, **{**from_data, **self.overrides})
         # Plain values only, so checkpoints stay loadable with weights_only=True (no pickled dataclasses).
         self.save_hyperparameters(ignore=["optim"])
         self.hparams["optim"] = dataclasses.asdict(self.optim)
-        self.config: ModelConfig | None = None
         self.model: Transformer | None = None
         self._micro_losses: list[Tensor] = []  # this update's micro-batch losses so far
 
-    def model_config(self) -> ModelConfig:
-        """The preset with the overrides; vocab_size and max_seq_len from the datamodule unless given."""
-        overrides = dict(self.overrides)
-        datamodule = self._trainer.datamodule if self._trainer is not None else None
-        if datamodule is not None:
-            overrides.setdefault("vocab_size", datamodule.vocab_size)
-            overrides.setdefault("max_seq_len", datamodule.seq_len)
-        config = ModelConfig.preset(self.preset, **overrides)
-        if datamodule is not None:
-            datamodule.check_model(config.vocab_size, config.max_seq_len)
-        return config
+    def setup(self, stage: str) -> None:
+        datamodule = self.trainer.datamodule
+        if datamodule is not None:  # a model set smaller than its data (or data given to Trainer.fit directly)
+            datamodule.check_model(self.config.vocab_size, self.config.max_seq_len)
 
     def configure_model(self) -> None:
         # Built here, not in __init__: under ZeRO-3 Lightning calls this inside deepspeed.zero.Init, so each
         # parameter is partitioned as it is created and no rank ever holds the full model.
         if self.model is None:
-            self.config = self.model_config()
             self.model = Transformer(self.config)
             enable_activation_checkpointing(self.model, self.activation_checkpointing)
             if self.compile:
@@ -167,7 +165,8 @@ class LitLM(LightningModule):
 
 @model_fields
 def lit_lm(preset: str = "llama", optim: OptimConfig | None = None, compile: bool = False,
-           activation_checkpointing: bool = False, **fields: Any) -> LitLM:
+           activation_checkpointing: bool = False, data_vocab_size: int | None = None,
+           data_seq_len: int | None = None, **fields: Any) -> LitLM:
     """`LitLM(...)` as LightningCLI's `model` group: its signature lists every `ModelConfig` field (see
     `model_fields`; on `LitLM.__init__` itself it would confuse Lightning's `save_hyperparameters`)."""
-    return LitLM(preset, optim, compile, activation_checkpointing, **fields)
+    return LitLM(preset, optim, compile, activation_checkpointing, data_vocab_size, data_seq_len, **fields)

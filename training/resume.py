@@ -56,7 +56,7 @@ def check_resume(ckpt_dir: Path, trainer: Trainer, pl_module: LightningModule) -
     config_file = ckpt_dir / MODEL_CONFIG_FILE
     if config_file.is_file():
         saved = json.loads(config_file.read_text())
-        current = pl_module.model_config().to_dict()
+        current = pl_module.config.to_dict()
         if config_hash(saved) != config_hash(current):
             diff = ", ".join(f"{k}: {saved.get(k)!r} → {current.get(k)!r}" for k in sorted(set(saved) | set(current))
                              if saved.get(k) != current.get(k))

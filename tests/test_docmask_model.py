@@ -63,6 +63,24 @@ def test_masked_logits_equal_each_document_alone(name: str) -> None:
         assert not torch.allclose(m(tokens), got, atol=1e-3)
 
 
+def test_rope_positions_restart_at_each_document() -> None:
+    """The post-RoPE q and k of the packed window are each document's own. (Under the mask the logits alone
+    cannot show this: RoPE scores depend only on relative positions.)"""
+    m = model("default")
+    tokens, positions = packed()
+    seen = []
+    handle = m.layers[0].attn.rope.register_forward_hook(lambda mod, args, out: seen.append(out))
+    with torch.no_grad():
+        m(tokens, position_ids=positions)
+        for b, start, n in documents(tokens):
+            m(tokens[b:b + 1, start:start + n])
+    handle.remove()
+    (q, k), alone = seen[0], seen[1:]
+    for (b, start, n), (q1, k1) in zip(documents(tokens), alone, strict=True):
+        torch.testing.assert_close(q[b, :, start:start + n], q1[0], atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(k[b, :, start:start + n], k1[0], atol=1e-6, rtol=1e-5)
+
+
 def test_loss_is_the_token_weighted_mean_over_documents() -> None:
     m = model("default")
     tokens, positions = packed()

@@ -227,3 +227,16 @@ def test_rope_module_sees_document_positions() -> None:
     q = torch.randn(2, 3, T, 8)
     q_rot, _ = RoPE()(q, q, cos, sin)
     torch.testing.assert_close(q_rot[1, :, 9:], RoPE()(q[1:, :, 9:], q[1:, :, 9:], *rope_cos_sin(7, 8, 1e4))[0][0])
+
+
+@pytest.mark.slow
+def test_compiled_blocks_take_the_mask() -> None:
+    """`compile_blocks` (regional torch.compile) runs the masked blocks as eager does (~20 s of compiling)."""
+    from model.optimize import compile_blocks
+
+    m = model("default")
+    tokens, positions = packed()
+    with torch.no_grad():
+        eager = m(tokens, position_ids=positions)
+        compile_blocks(m)
+        torch.testing.assert_close(m(tokens, position_ids=positions), eager, atol=1e-5, rtol=1e-5)

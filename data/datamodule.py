@@ -13,6 +13,10 @@ tokenizer), sampled by ``data.mixture``; and ``val_sets`` names further held-out
 has one loader per set (``val_sets_order``): each source of a mixture and each named set is logged as
 ``val/<name>/loss`` and ``val/<name>/bpb``; ``val/loss`` stays the loss of the data's own validation split (for
 a mixture: the weighted mean over its sources' validation splits).
+
+``document_mask``: every batch (train and validation) is a dict ``{"tokens": [B, seq_len + 1], "position_ids":
+[B, seq_len + 1]}``, the positions counted from each document's start within the window (read from the
+directory's document index, ``data.meta.document_starts``); the model attends within documents only.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import lightning as L
+import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
@@ -57,12 +62,14 @@ class TokenDataModule(L.LightningDataModule):
         tokenizer: optional tokenizer file the data must have been prepared with (checked by sha256).
         val_sets: named held-out directories ``{name: directory}`` (prepared with the same tokenizer), whose
             validation splits are evaluated beside the main one as ``val/<name>/loss`` and ``val/<name>/bpb``.
+        document_mask: batches become ``{"tokens", "position_ids"}`` dicts (see the module docstring), so the
+            model attends within each document and restarts positions at each document's start.
     """
 
     def __init__(
         self, path: str | dict[str, float] = DEFAULT_OUTPUT, seq_len: int = 256, batch_size: int = 8,
         seed: int = 1234, num_workers: int = 0, val_batches: int = 16, tokenizer: str | None = None,
-        val_sets: dict[str, str] | None = None,
+        val_sets: dict[str, str] | None = None, document_mask: bool = False,
     ) -> None:
         super().__init__()
         for name, value, low in (("seq_len", seq_len, 1), ("batch_size", batch_size, 1),
@@ -74,6 +81,9 @@ class TokenDataModule(L.LightningDataModule):
         self.val_sets = _named_sets(val_sets, self.sources)
         self.path, self.seq_len, self.batch_size, self.seed = self.sources[0][1], seq_len, batch_size, seed
         self.num_workers, self.val_batches, self.tokenizer = num_workers, val_batches, tokenizer
+        if not isinstance(document_mask, bool):
+            raise DataError(f"data document_mask must be true or false, got {document_mask!r}")
+        self.document_mask = document_mask
         self._meta: dict[str, Any] | None = None
         self._metas: dict[Path, dict[str, Any]] = {}  # of the other directories (mixture sources, val sets)
         self._restart = (0, 0)  # (global_step, tokens_seen) when this run started: from the checkpoint on resume
@@ -211,13 +221,15 @@ class TokenDataModule(L.LightningDataModule):
         position = {"seq_len": self.seq_len, "batch_size": self.batch_size, "seed": self.seed, "start_sample": start,
                     "rank": rank, "world_size": world_size}
         if len(self.sources) == 1:
-            dataset = TrainBatches(self.path / split["file"], self.meta["dtype"], split["tokens"], **position)
+            dataset = TrainBatches(self.path / split["file"], self.meta["dtype"], split["tokens"], **position,
+                                   document_starts=self._document_starts(self.path, "train"))
         else:
             files = []
             for _, path, _ in self.sources:
                 meta = self._meta_of(path, "data.path")
                 files.append((path / meta["splits"]["train"]["file"], meta["dtype"], meta["splits"]["train"]["tokens"]))
-            dataset = MixtureBatches(files, [w for _, _, w in self.sources], **position)
+            starts = [self._document_starts(p, "train") for _, p, _ in self.sources] if self.document_mask else None
+            dataset = MixtureBatches(files, [w for _, _, w in self.sources], **position, document_starts=starts)
         logger.info("train data: rank %d/%d starts after %d samples (%d tokens seen)", rank, world_size, start,
                     tokens_seen)
         return self._loader(dataset)
@@ -233,10 +245,12 @@ class TokenDataModule(L.LightningDataModule):
         loaders = []
         for val_set in sets:
             meta = self._meta_of(val_set.path, "data.val_sets")
-            split = meta["splits"]["val" if val_set.weight else held_out_split(meta)]
+            name = "val" if val_set.weight else held_out_split(meta)
+            split = meta["splits"][name]
             loaders.append(self._loader(ValBatches(
                 val_set.path / split["file"], meta["dtype"], split["tokens"], seq_len=self.seq_len,
                 batch_size=self.batch_size, val_batches=self.val_batches, rank=rank, world_size=world_size,
+                document_starts=self._document_starts(val_set.path, name),
             )))
         return loaders[0] if len(loaders) == 1 else loaders
 
@@ -253,6 +267,12 @@ class TokenDataModule(L.LightningDataModule):
         """(rank, world size) from the attached trainer."""
         trainer = self.trainer
         return (0, 1) if trainer is None else (trainer.global_rank, trainer.world_size)
+
+    def _document_starts(self, path: Path, split: str) -> np.ndarray | None:
+        """The split's document starts when document masking is on (else None: plain token batches)."""
+        if not self.document_mask:
+            return None
+        return layout.document_starts(path, split, self._meta_of(path, "data.path"))
 
     def _loader(self, dataset: TrainBatches | ValBatches) -> DataLoader:
         # The datasets yield whole batches, so the loader does no batching or shuffling of its own.

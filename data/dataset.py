@@ -10,6 +10,10 @@ global sample ``s`` is window ``permute(s mod n)`` of epoch ``s div n``. So a ba
 start, micro-step, rank, world size): resuming needs no replay, and ranks never share a window within an epoch.
 Resuming with ``start`` = samples consumed so far reproduces the straight run when world size and batch size are
 unchanged, and continues exactly where it stopped (no sample skipped or read twice) when they change.
+
+With document masking (``document_starts`` given) a batch is a dict ``{"tokens": [B, seq_len + 1],
+"position_ids": [B, seq_len + 1]}``: each token's offset from the start of its document inside the window
+(:func:`window_positions`), the same pure function of the window starts and the split's document index.
 """
 
 from __future__ import annotations
@@ -86,6 +90,29 @@ def gather(tokens: np.ndarray, starts: np.ndarray, length: int) -> np.ndarray:
     return tokens[starts[:, None] + np.arange(length)].astype(np.int64)
 
 
+def window_positions(document_starts: np.ndarray, starts: np.ndarray, length: int) -> np.ndarray:
+    """Position of each token of the windows ``tokens[start : start + length]`` within its document, int64
+    [len(starts), length]: 0 at every document start and at the window start (a document cut by the window
+    begins there, as the model cannot see its earlier part), counting up by one per token.
+
+    ``document_starts``: ascending token offsets where documents begin (``data.meta.document_starts``).
+    """
+    bounds = np.concatenate([[0], np.asarray(document_starts, dtype=np.int64)])  # (0 first: never before one)
+    index = np.asarray(starts, dtype=np.int64)[:, None] + np.arange(length, dtype=np.int64)  # [N, length]
+    first = bounds[np.searchsorted(bounds, index, side="right") - 1]  # start of each token's document
+    return index - np.maximum(first, index[:, :1])
+
+
+def window_batch(tokens: np.ndarray, starts: np.ndarray, length: int,
+                 document_starts: np.ndarray | None) -> torch.Tensor | dict[str, torch.Tensor]:
+    """The batch of windows at ``starts``: the token tensor [N, length], or with ``document_starts`` the dict
+    ``{"tokens", "position_ids"}`` of two such tensors (see the module docstring)."""
+    batch = torch.from_numpy(gather(tokens, starts, length))
+    if document_starts is None:
+        return batch
+    return {"tokens": batch, "position_ids": torch.from_numpy(window_positions(document_starts, starts, length))}
+
+
 def train_batch(
     tokens: np.ndarray, *, seq_len: int, batch_size: int, seed: int, step: int, rank: int = 0, world_size: int = 1,
     start: int = 0,
@@ -133,19 +160,20 @@ class TrainBatches(_TokenFile):
 
     def __init__(
         self, path: Path, dtype: str, n_tokens: int, *, seq_len: int, batch_size: int, seed: int,
-        start_sample: int = 0, rank: int = 0, world_size: int = 1,
+        start_sample: int = 0, rank: int = 0, world_size: int = 1, document_starts: np.ndarray | None = None,
     ) -> None:
         super().__init__(path, dtype, n_tokens)
         self.sampler = WindowSampler(n_tokens, seq_len, seed)
         self.batch_size, self.start_sample, self.rank, self.world_size = batch_size, start_sample, rank, world_size
+        self.document_starts = document_starts  # given: batches carry position_ids (document masking)
 
-    def __iter__(self) -> Iterator[torch.Tensor]:
+    def __iter__(self) -> Iterator[torch.Tensor | dict[str, torch.Tensor]]:
         tokens = self._tokens()
         worker, workers = self._worker_share()
         for step in itertools.count(worker, workers):
             samples = sample_indices(step, self.rank, self.world_size, self.batch_size, self.start_sample)
             starts = self.sampler.starts(samples)
-            yield torch.from_numpy(gather(tokens, starts, self.sampler.seq_len + 1))
+            yield window_batch(tokens, starts, self.sampler.seq_len + 1, self.document_starts)
 
 
 class ValBatches(_TokenFile):
@@ -153,18 +181,19 @@ class ValBatches(_TokenFile):
 
     def __init__(
         self, path: Path, dtype: str, n_tokens: int, *, seq_len: int, batch_size: int, val_batches: int,
-        rank: int = 0, world_size: int = 1,
+        rank: int = 0, world_size: int = 1, document_starts: np.ndarray | None = None,
     ) -> None:
         super().__init__(path, dtype, n_tokens)
         self.starts = val_starts(n_tokens, seq_len, val_batches * batch_size).reshape(val_batches, batch_size)
         self.seq_len = seq_len
         self.batches = rank_val_batches(val_batches, rank, world_size)
+        self.document_starts = document_starts
 
     def __len__(self) -> int:
         return len(self.batches)
 
-    def __iter__(self) -> Iterator[torch.Tensor]:
+    def __iter__(self) -> Iterator[torch.Tensor | dict[str, torch.Tensor]]:
         tokens = self._tokens()
         worker, workers = self._worker_share()
         for b in self.batches[worker::workers]:
-            yield torch.from_numpy(gather(tokens, self.starts[b], self.seq_len + 1))
+            yield window_batch(tokens, self.starts[b], self.seq_len + 1, self.document_starts)

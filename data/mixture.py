@@ -6,7 +6,8 @@ source ``i``'s share of the cumulative weights, so each source supplies its weig
 ``WindowSampler`` (its own key): the windows a source supplies within any run of ``n_i`` consecutive global
 samples (``n_i`` = its windows per epoch) are distinct. Nothing depends on what came before ``s``, so a batch
 is still a pure function of (seed, start, micro-step, rank, world size): resume needs no replay and a new world
-size continues at the same global sample, exactly as with one source.
+size continues at the same global sample, exactly as with one source. With document masking each window's
+``position_ids`` come from its own source's document index (see ``data.dataset.window_positions``).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from data import rng
-from data.dataset import WindowSampler, gather, sample_indices
+from data.dataset import WindowSampler, gather, sample_indices, window_positions
 from data.errors import DataError
 
 # Keys the source choice apart from the window order (which uses derive_key(seed, epoch)).
@@ -70,13 +71,25 @@ def mixture_batch(
     tokens: Sequence[np.ndarray], sampler: MixtureSampler, samples: np.ndarray
 ) -> np.ndarray:
     """The windows [len(samples), seq_len + 1] of the given global samples, gathered from their sources."""
+    return _mixture_windows(tokens, sampler, samples, None)[0]
+
+
+def _mixture_windows(
+    tokens: Sequence[np.ndarray], sampler: MixtureSampler, samples: np.ndarray,
+    document_starts: Sequence[np.ndarray] | None,
+) -> tuple[np.ndarray, np.ndarray | None]:
+    """(windows, their position_ids or None), both [len(samples), seq_len + 1], each from its own source."""
     source, starts = sampler.locate(samples)
-    out = np.empty((len(samples), sampler.seq_len + 1), dtype=np.int64)
+    shape = (len(samples), sampler.seq_len + 1)
+    out = np.empty(shape, dtype=np.int64)
+    positions = np.empty(shape, dtype=np.int64) if document_starts is not None else None
     for i, array in enumerate(tokens):
         here = source == i
         if here.any():
             out[here] = gather(array, starts[here], sampler.seq_len + 1)
-    return out
+            if positions is not None:
+                positions[here] = window_positions(document_starts[i], starts[here], sampler.seq_len + 1)
+    return out, positions
 
 
 class MixtureBatches(IterableDataset):
@@ -85,15 +98,21 @@ class MixtureBatches(IterableDataset):
     def __init__(
         self, files: Sequence[tuple[Path, str, int]], weights: Sequence[float], *, seq_len: int, batch_size: int,
         seed: int, start_sample: int = 0, rank: int = 0, world_size: int = 1,
+        document_starts: Sequence[np.ndarray] | None = None,
     ) -> None:
         self.files = [(Path(p), dtype, n) for p, dtype, n in files]
         self.sampler = MixtureSampler(tuple(n for _, _, n in files), tuple(weights), seq_len, seed)
         self.batch_size, self.start_sample, self.rank, self.world_size = batch_size, start_sample, rank, world_size
+        self.document_starts = document_starts  # one index per source: batches carry position_ids
 
-    def __iter__(self) -> Iterator[torch.Tensor]:
+    def __iter__(self) -> Iterator[torch.Tensor | dict[str, torch.Tensor]]:
         tokens = [np.memmap(p, dtype=dtype, mode="r", shape=(n,)) for p, dtype, n in self.files]
         info = get_worker_info()
         worker, workers = (0, 1) if info is None else (info.id, info.num_workers)
         for step in itertools.count(worker, workers):
             samples = sample_indices(step, self.rank, self.world_size, self.batch_size, self.start_sample)
-            yield torch.from_numpy(mixture_batch(tokens, self.sampler, samples))
+            windows, positions = _mixture_windows(tokens, self.sampler, samples, self.document_starts)
+            if positions is None:
+                yield torch.from_numpy(windows)
+            else:
+                yield {"tokens": torch.from_numpy(windows), "position_ids": torch.from_numpy(positions)}

@@ -1,11 +1,18 @@
 """Causal self-attention with grouped-query heads, rotary positions and optional QK-norm.
 
 Shapes: B batch, T sequence, H query heads, K key/value heads (H % K == 0), D head_dim, C = H·D.
+
+Document masking (`DocumentMask`): in a packed window each query sees only earlier keys of its own document
+(block-causal). On CUDA this runs `torch.nn.attention.flex_attention` (compiled) with a block mask, which skips
+the blocks of other documents; elsewhere, with `attn_softcap`, or with `NORMLAB_DOCMASK=sdpa`, it runs SDPA with a
+dense boolean mask [B, 1, T, T] (on CPU: no causal fast path, measured in scripts/bench_docmask.py).
 """
 from __future__ import annotations
 
+import functools
 import math
-from typing import TYPE_CHECKING
+import os
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -37,6 +44,52 @@ class LayerCache:
         return self.k[:, :, :end], self.v[:, :, :end]
 
 
+class DocumentMask(NamedTuple):
+    """Which keys each query sees in a packed window: `doc_ids` [B, T] (equal within a document), and the mask in
+    the form attention runs: `dense` bool [B, 1, T, T] (True = visible) or a flex-attention `block` mask."""
+
+    doc_ids: torch.Tensor
+    dense: torch.Tensor | None
+    block: Any = None
+
+    @classmethod
+    def from_positions(cls, position_ids: torch.Tensor, softcap: float | None = None) -> DocumentMask:
+        """From positions [B, T] that restart at 0 where each document starts (see data.dataset)."""
+        doc_ids = (position_ids == 0).cumsum(-1)
+        if _use_flex(position_ids.device) and softcap is None:
+            return cls(doc_ids, None, _block_mask(doc_ids))
+        return cls(doc_ids, visible_keys(doc_ids)[:, None])
+
+
+def visible_keys(doc_ids: torch.Tensor) -> torch.Tensor:
+    """Bool [B, T, T]: query t sees key s when s ≤ t and both lie in the same document."""
+    T = doc_ids.shape[-1]
+    causal = torch.ones(T, T, dtype=torch.bool, device=doc_ids.device).tril()
+    return (doc_ids[:, :, None] == doc_ids[:, None, :]) & causal
+
+
+def _use_flex(device: torch.device) -> bool:
+    return device.type == "cuda" and os.environ.get("NORMLAB_DOCMASK", "auto") != "sdpa" and _flex() is not None
+
+
+@functools.cache
+def _flex() -> tuple[Any, Any] | None:
+    """(compiled flex_attention, create_block_mask), or None where this torch has no flex attention."""
+    try:
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    except ImportError:
+        return None
+    return torch.compile(flex_attention, dynamic=False), create_block_mask
+
+
+def _block_mask(doc_ids: torch.Tensor) -> Any:
+    def block_causal(b, h, q, kv):  # flex's mask_mod: index tensors in, bool out
+        return (doc_ids[b, q] == doc_ids[b, kv]) & (q >= kv)
+
+    B, T = doc_ids.shape
+    return _flex()[1](block_causal, B, None, T, T, device=doc_ids.device)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
         super().__init__()
@@ -57,9 +110,13 @@ class Attention(nn.Module):
         self.rope = RoPE()
         self.softcap = cfg.attn_softcap
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                cache: LayerCache | None = None) -> torch.Tensor:
-        """x [B, T, dim] → [B, T, dim]. cos/sin cover positions start … start+T−1 (start = cached length)."""
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: LayerCache | None = None,
+                doc_mask: DocumentMask | None = None) -> torch.Tensor:
+        """x [B, T, dim] → [B, T, dim]. cos/sin cover positions start … start+T−1 (start = cached length), or are
+        per row [B, T, D]; `doc_mask` restricts attention to each query's document (training/evaluation only)."""
+        if doc_mask is not None and cache is not None:
+            raise ValueError("document masking is for training and evaluation; generation with a KV cache runs "
+                             "one sequence per row without it")
         B, T, _ = x.shape
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         if self.qk_norm == "full":  # before the head split and before RoPE, as in OLMo 2
@@ -78,12 +135,22 @@ class Attention(nn.Module):
                 causal = False
                 keys = torch.arange(start + T, device=x.device)
                 mask = keys[None, :] <= torch.arange(start, start + T, device=x.device)[:, None]
-        if self.softcap is None:
-            y_BHTD = F.scaled_dot_product_attention(q_BHTD, k_BKTD, v_BKTD, attn_mask=mask, is_causal=causal,
-                                                    enable_gqa=self.n_kv_heads != self.n_heads)
-        else:
-            y_BHTD = softcapped_attention(q_BHTD, k_BKTD, v_BKTD, mask, self.softcap)
+        if doc_mask is not None:
+            mask, causal = doc_mask.dense, False
+        y_BHTD = self._attend(q_BHTD, k_BKTD, v_BKTD, mask, causal, doc_mask)
         return self.o_proj(y_BHTD.transpose(1, 2).reshape(B, T, -1))
+
+
+    def _attend(self, q_BHTD: torch.Tensor, k_BKTD: torch.Tensor, v_BKTD: torch.Tensor, mask: torch.Tensor | None,
+                causal: bool, doc_mask: DocumentMask | None) -> torch.Tensor:
+        """[B, H, T, D] attention output: flex attention for a block mask, else SDPA, else (softcap) math."""
+        gqa = self.n_kv_heads != self.n_heads
+        if doc_mask is not None and doc_mask.block is not None:
+            return _flex()[0](q_BHTD, k_BKTD, v_BKTD, block_mask=doc_mask.block, enable_gqa=gqa)
+        if self.softcap is not None:
+            return softcapped_attention(q_BHTD, k_BKTD, v_BKTD, mask, self.softcap)
+        return F.scaled_dot_product_attention(q_BHTD, k_BKTD, v_BKTD, attn_mask=mask, is_causal=causal,
+                                              enable_gqa=gqa)
 
 
 def softcapped_attention(q_BHTD: torch.Tensor, k_BKTD: torch.Tensor, v_BKTD: torch.Tensor,
@@ -92,7 +159,7 @@ def softcapped_attention(q_BHTD: torch.Tensor, k_BKTD: torch.Tensor, v_BKTD: tor
 
     SDPA has no hook between the scores and the softmax, so this is plain math attention: it materializes the
     [B, H, T, S] scores (O(T²) memory, no flash kernel) — the price of `attn_softcap`. `mask_TS`: True where a
-    query may see a key; None means causal with T == S.
+    query may see a key, [T, S] or [B, 1, T, S] (document masking); None means causal with T == S.
     """
     H, K, D = q_BHTD.shape[1], k_BKTD.shape[1], q_BHTD.shape[-1]
     k_BHSD = k_BKTD.repeat_interleave(H // K, dim=1)  # GQA: query head h reads kv head h // (H/K)

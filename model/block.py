@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from model.attention import Attention, LayerCache
+from model.attention import Attention, DocumentMask, LayerCache
 from model.config import ModelConfig
 from model.mlp import MLPS
 from model.residual import PLACEMENTS, Stream
@@ -24,7 +24,7 @@ class Block(nn.Module):
         self.attn, self.mlp = Attention(cfg, layer_id), MLPS[cfg.mlp](cfg, layer_id)
         self.attn_res, self.mlp_res = PLACEMENTS[cfg.placement](cfg), PLACEMENTS[cfg.placement](cfg)
 
-    def forward(self, stream: Stream, cos: torch.Tensor, sin: torch.Tensor,
-                cache: LayerCache | None = None) -> Stream:
-        stream = self.attn_res(stream, lambda h: self.attn(h, cos, sin, cache))
+    def forward(self, stream: Stream, cos: torch.Tensor, sin: torch.Tensor, cache: LayerCache | None = None,
+                doc_mask: DocumentMask | None = None) -> Stream:
+        stream = self.attn_res(stream, lambda h: self.attn(h, cos, sin, cache, doc_mask=doc_mask))
         return self.mlp_res(stream, self.mlp)

@@ -5,7 +5,8 @@ forward hooks on every block, placement, sublayer and RoPE module of a `model.Tr
 on exit, so the hot path carries no probe code at all. The model runs its one (fused) forward; the hooks read
 the stream entering and leaving each block and each sublayer, what the sublayer reads, and the post-RoPE q and
 k, from which the softmax is recomputed for a few sampled query rows with the same scale and causal mask as
-training — the main path keeps using `scaled_dot_product_attention`.
+training (and, under document masking, the same document mask) — the main path keeps using
+`scaled_dot_product_attention`.
 
 Tags: `resid/rms/L{l}` (stream entering block l), `resid/rms_out/L{l}` (leaving it),
 `resid/update_rms/{attn,mlp}/L{l}`, `resid/update_ratio/{attn,mlp}/L{l}` (update RMS / stream RMS: the block's
@@ -32,7 +33,8 @@ def token_rms(x: torch.Tensor) -> torch.Tensor:
 
 
 def attention_stats(q_BHTD: torch.Tensor, k_BKTD: torch.Tensor, rows: torch.Tensor,
-                    threshold: float = 0.99, softcap: float | None = None) -> dict[str, torch.Tensor]:
+                    threshold: float = 0.99, softcap: float | None = None,
+                    doc_ids: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """Softmax statistics per head for the query positions `rows`, from post-RoPE q [B,H,T,D] and k [B,K,T,D].
 
     Returns per-head tensors [H]: `max_prob` (mean over rows of the largest probability), `entropy` (normalized
@@ -40,11 +42,14 @@ def attention_stats(q_BHTD: torch.Tensor, k_BKTD: torch.Tensor, rows: torch.Tens
     largest probability ≥ threshold) and `max_logit` (the largest scaled pre-softmax logit). Row 0 sees only
     itself — saturated by construction — so rows with one visible key are left out. With `softcap` (the model's
     `attn_softcap`) the probabilities are those of the capped scores, as in training; `max_logit` stays the
-    uncapped score, so it shows what the cap is holding back.
+    uncapped score, so it shows what the cap is holding back. With `doc_ids` [B, T] (document masking) a row sees
+    only its own document's keys — every statistic is over those — and rows at a document's start are left out.
     """
     rows = rows[rows > 0]
     if rows.numel() == 0:
         raise ValueError("attention_stats needs at least one query row past position 0")
+    if doc_ids is not None:
+        return _masked_stats(q_BHTD, k_BKTD, rows, threshold, softcap, doc_ids)
     q = q_BHTD.detach().float()[:, :, rows]  # [B, H, R, D]
     k = k_BKTD.detach().float()
     H, K, D = q.shape[1], k.shape[1], q.shape[-1]
@@ -61,6 +66,35 @@ def attention_stats(q_BHTD: torch.Tensor, k_BKTD: torch.Tensor, rows: torch.Tens
         "entropy": (ent / visible.sum(-1).float().log()).mean((0, 2)),
         "saturated_frac": (pmax >= threshold).float().mean((0, 2)),
         "max_logit": logits.amax((0, 2, 3)),
+    }
+
+
+def _masked_stats(q_BHTD: torch.Tensor, k_BKTD: torch.Tensor, rows: torch.Tensor, threshold: float,
+                  softcap: float | None, doc_ids: torch.Tensor) -> dict[str, torch.Tensor]:
+    """`attention_stats` under a document mask: visibility per batch row, means over the (b, row) pairs that
+    see more than one key."""
+    q = q_BHTD.detach().float()[:, :, rows]  # [B, H, R, D]
+    k = k_BKTD.detach().float()
+    H, K, D = q.shape[1], k.shape[1], q.shape[-1]
+    k = k.repeat_interleave(H // K, dim=1)
+    logits = q @ k.transpose(-1, -2) / math.sqrt(D)  # [B, H, R, T]
+    causal = torch.arange(k.shape[2], device=q.device)[None, :] <= rows[:, None]  # [R, T]
+    visible = (doc_ids[:, rows, None] == doc_ids[:, None, :]) & causal  # [B, R, T]
+    counts = visible.sum(-1)  # [B, R]
+    valid = counts > 1  # a document's first token sees only itself: saturated by construction
+    if not valid.any():
+        raise ValueError("attention_stats: no sampled query row sees more than one key of its document")
+    scores = logits if softcap is None else softcap * torch.tanh(logits / softcap)
+    p = scores.masked_fill(~visible[:, None], float("-inf")).softmax(-1)
+    ent = -(p * p.clamp_min(1e-30).log()).sum(-1)  # [B, H, R]
+    pmax = p.amax(-1)
+    weight = valid[:, None].float() / valid.sum()  # [B, 1, R]: mean over the valid (b, row) pairs
+    shown = visible & valid[..., None]
+    return {
+        "max_prob": (pmax * weight).sum((0, 2)),
+        "entropy": (ent / counts.clamp_min(2).float().log()[:, None] * weight).sum((0, 2)),
+        "saturated_frac": ((pmax >= threshold).float() * weight).sum((0, 2)),
+        "max_logit": logits.masked_fill(~shown[:, None], float("-inf")).amax((0, 2, 3)),
     }
 
 
@@ -88,13 +122,14 @@ class Recorder:
 
     # -- attention ---------------------------------------------------------------------------------
     def attention(self, layer: int, q_BHTD: torch.Tensor, k_BKTD: torch.Tensor,
-                  softcap: float | None = None) -> None:
+                  softcap: float | None = None, doc_ids: torch.Tensor | None = None) -> None:
         T = q_BHTD.shape[2]
         if T < 2:  # a single position attends only to itself: nothing to measure
             return
         rows = torch.linspace(0, T - 1, min(self.attn_rows, T), device=q_BHTD.device).round().long().unique()
         b = min(self.attn_batch, q_BHTD.shape[0])
-        stats = attention_stats(q_BHTD[:b], k_BKTD[:b], rows, self.threshold, softcap)
+        doc_ids = doc_ids[:b] if doc_ids is not None else None
+        stats = attention_stats(q_BHTD[:b], k_BKTD[:b], rows, self.threshold, softcap, doc_ids)
         for key, per_head in stats.items():
             self.values[f"attn/{key}/L{layer}"] = per_head.mean()
             worst = per_head.amin() if key == "entropy" else per_head.amax()
@@ -137,8 +172,12 @@ def _observe_block(rec: Recorder, layer: int, block: nn.Module) -> list[Removabl
     handles = [
         block.register_forward_pre_hook(lambda m, args: seen.update(block_in=args[0].value())),
         block.register_forward_hook(lambda m, args, out: rec.block(layer, seen.pop("block_in"), out.value())),
+        # the document mask attention runs with (None without document masking), for the softmax statistics
+        block.attn.register_forward_pre_hook(
+            lambda m, args, kwargs: seen.update(doc_mask=kwargs.get("doc_mask")), with_kwargs=True),
         block.attn.rope.register_forward_hook(
-            lambda m, args, out: rec.attention(layer, *out, softcap=getattr(block.attn, "softcap", None))),
+            lambda m, args, out: rec.attention(layer, *out, softcap=getattr(block.attn, "softcap", None),
+                                               doc_ids=_doc_ids(seen.pop("doc_mask", None)))),
     ]
     for name, placement, sublayer in (("attn", block.attn_res, block.attn), ("mlp", block.mlp_res, block.mlp)):
 
@@ -156,6 +195,10 @@ def _observe_block(rec: Recorder, layer: int, block: nn.Module) -> list[Removabl
             sublayer.register_forward_hook(lambda m, args, out: seen.update(out=out)),
         ]
     return handles
+
+
+def _doc_ids(doc_mask) -> torch.Tensor | None:
+    return None if doc_mask is None else doc_mask.doc_ids
 
 
 def grad_norms(model: torch.nn.Module, grad_of=lambda p: p.grad) -> dict[str, float]:

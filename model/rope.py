@@ -17,11 +17,22 @@ def rope_cos_sin(seq_len: int, head_dim: int, theta: float, device: torch.device
     Computed per call rather than stored: it is T·D/2 multiplies, and a buffer would need re-creating for
     models built on the meta device.
     """
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.int64).float() / head_dim))
     pos = torch.arange(start, start + seq_len, device=device, dtype=torch.float32)
-    angles = torch.outer(pos, inv_freq)
+    angles = torch.outer(pos, _inv_freq(head_dim, theta, device))
     emb = torch.cat((angles, angles), dim=-1)
     return emb.cos(), emb.sin()
+
+
+def rope_cos_sin_at(position_ids: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin tables [B, T, head_dim] (fp32) for explicit positions [B, T] — document masking, where
+    positions restart at each document of a packed window. The same values `rope_cos_sin` gives a position."""
+    angles = position_ids.float()[..., None] * _inv_freq(head_dim, theta, position_ids.device)
+    emb = torch.cat((angles, angles), dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def _inv_freq(head_dim: int, theta: float, device: torch.device | None) -> torch.Tensor:
+    return 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.int64).float() / head_dim))
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -30,8 +41,11 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x [B, H, T, D] by position; cos/sin are [T, D] and broadcast over batch and heads."""
+    """Rotate x [B, H, T, D] by position; cos/sin are [T, D] (broadcast over batch and heads) or [B, T, D]
+    (per-row positions, broadcast over heads)."""
     cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    if cos.dim() == 3:
+        cos, sin = cos[:, None], sin[:, None]
     return x * cos + rotate_half(x) * sin
 
 

@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from model.attention import LayerCache
+from model.attention import DocumentMask, LayerCache
 from model.block import Block
 from model.config import ModelConfig
 from model.init import init_std, init_weights
@@ -14,7 +14,7 @@ from model.layers import Embedding, Linear
 from model.loss import fused_linear_cross_entropy, softcap_logits
 from model.norms import build_norm
 from model.residual import Stream
-from model.rope import rope_cos_sin
+from model.rope import rope_cos_sin, rope_cos_sin_at
 
 
 class Transformer(nn.Module):
@@ -42,33 +42,45 @@ class Transformer(nn.Module):
         return [LayerCache(batch, self.cfg.kv_heads, max_len or self.cfg.max_seq_len, self.cfg.head_dim, p.device,
                            p.dtype) for _ in self.layers]
 
-    def hidden_states(self, tokens: torch.Tensor, cache: list[LayerCache] | None = None) -> torch.Tensor:
+    def hidden_states(self, tokens: torch.Tensor, cache: list[LayerCache] | None = None,
+                      position_ids: torch.Tensor | None = None) -> torch.Tensor:
         """The final hidden states [B, T, dim] (after the final norm) for tokens [B, T].
 
-        With `cache`, tokens continue the cached sequence: positions start at the cached length.
+        With `cache`, tokens continue the cached sequence: positions start at the cached length. With
+        `position_ids` [B, T] (document masking: 0 where each document of a packed window starts, counting up
+        within it), each token attends only to its own document and RoPE uses these positions — each document
+        gets what it would get alone. Not with `cache`.
         """
         B, T = tokens.shape
         start = cache[0].length if cache else 0
         if start + T > self.cfg.max_seq_len:
             raise ValueError(f"sequence length {start + T} exceeds ModelConfig.max_seq_len={self.cfg.max_seq_len}")
-        cos, sin = rope_cos_sin(T, self.cfg.head_dim, self.cfg.rope_theta, tokens.device, start=start)
+        doc_mask = None
+        if position_ids is None:
+            cos, sin = rope_cos_sin(T, self.cfg.head_dim, self.cfg.rope_theta, tokens.device, start=start)
+        else:
+            if position_ids.shape != tokens.shape:
+                raise ValueError(f"position_ids {tuple(position_ids.shape)} must have the shape of tokens {(B, T)}")
+            cos, sin = rope_cos_sin_at(position_ids, self.cfg.head_dim, self.cfg.rope_theta)
+            doc_mask = DocumentMask.from_positions(position_ids, self.cfg.attn_softcap)
         stream = Stream(self.tok_embeddings(tokens))
         for i, layer in enumerate(self.layers):
             if self.activation_checkpointing and torch.is_grad_enabled():
-                stream = checkpoint(layer, stream, cos, sin, use_reentrant=False)
+                stream = checkpoint(layer, stream, cos, sin, None, doc_mask, use_reentrant=False)
             else:
-                stream = layer(stream, cos, sin, cache[i] if cache else None)
+                stream = layer(stream, cos, sin, cache[i] if cache else None, doc_mask)
         if self.norm is None:
             return stream.value()
         return stream.normalized(self.norm)[0]
 
     def forward(self, tokens: torch.Tensor, cache: list[LayerCache] | None = None,
                 targets: torch.Tensor | None = None, loss_chunk_size: int = 1024, z_loss: float = 0.0,
-                return_z_loss: bool = False):
+                return_z_loss: bool = False, position_ids: torch.Tensor | None = None):
         """Logits [B, T, vocab_size] for tokens [B, T] (soft-capped when `cfg.logit_softcap`); or, given targets
         [B, T], the mean cross-entropy, computed in chunks so the full logits are never materialized (see
-        model/loss.py), plus `z_loss` · mean(log²Z) — with `return_z_loss`, (loss, that term)."""
-        h = self.hidden_states(tokens, cache)
+        model/loss.py), plus `z_loss` · mean(log²Z) — with `return_z_loss`, (loss, that term). `position_ids`
+        [B, T]: document masking (see `hidden_states`); the loss stays the mean over every target token."""
+        h = self.hidden_states(tokens, cache, position_ids)
         if targets is None:
             return softcap_logits(F.linear(h, self.head_weight), self.cfg.logit_softcap)
         return fused_linear_cross_entropy(h, self.head_weight, targets, loss_chunk_size, z_loss=z_loss,

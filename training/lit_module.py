@@ -87,14 +87,17 @@ class LitLM(LightningModule):
     def forward(self, tokens: Tensor) -> Tensor:
         return self.model(tokens)
 
-    def loss(self, batch: Tensor) -> Tensor:
+    def loss(self, batch: Tensor | dict[str, Tensor]) -> Tensor:
         """Mean next-token cross-entropy of a batch [B, T+1]: inputs batch[:, :-1], targets batch[:, 1:].
         The model's chunked LM-head loss: the [B, T, vocab] logits are never materialized."""
-        return self.model(batch[:, :-1], targets=batch[:, 1:])
+        tokens, positions = split_batch(batch)
+        return self.model(tokens[:, :-1], targets=tokens[:, 1:], position_ids=positions)
 
-    def training_step(self, batch: Tensor, batch_idx: int) -> Tensor:
+    def training_step(self, batch: Tensor | dict[str, Tensor], batch_idx: int) -> Tensor:
         # the cross-entropy plus optim.z_loss · log²Z (the z term also returned, detached, for logging)
-        loss, z_loss = self.model(batch[:, :-1], targets=batch[:, 1:], z_loss=self.optim.z_loss, return_z_loss=True)
+        tokens, positions = split_batch(batch)
+        loss, z_loss = self.model(tokens[:, :-1], targets=tokens[:, 1:], z_loss=self.optim.z_loss, return_z_loss=True,
+                                  position_ids=positions)
         self.log("step", float(self.global_step + 1))  # logged at the update's number (see _log_eval)
         # train/loss is the cross-entropy of the whole update: the mean over its micro-batches (Lightning logs the
         # value of the last one, so log the running mean) and over ranks — independent of how the batch is split.
@@ -118,8 +121,8 @@ class LitLM(LightningModule):
         # per loader: loss sum, batches, target tokens, target bytes
         self._eval_sums = torch.zeros(len(self._val_sets), 4, dtype=torch.float64, device=self.device)
 
-    def validation_step(self, batch: Tensor, batch_idx: int, dataloader_idx: int = 0) -> None:
-        targets = batch[:, 1:]
+    def validation_step(self, batch: Tensor | dict[str, Tensor], batch_idx: int, dataloader_idx: int = 0) -> None:
+        targets = split_batch(batch)[0][:, 1:]
         nbytes = self._piece_bytes[targets].sum() if self._piece_bytes is not None else targets.new_zeros(())
         row = torch.stack([self.loss(batch).double(), self._eval_sums.new_ones(()),
                            self._eval_sums.new_tensor(float(targets.numel())), nbytes.double()])
@@ -161,6 +164,15 @@ class LitLM(LightningModule):
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint["model_config"] = self.config.to_dict()  # how to rebuild the Transformer from this file
+
+
+def split_batch(batch: Tensor | dict[str, Tensor]) -> tuple[Tensor, Tensor | None]:
+    """(tokens [B, T+1], the inputs' position_ids [B, T] or None) of a batch: a token tensor, or with
+    `data.document_mask` the datamodule's dict `{"tokens", "position_ids"}`, both [B, T+1] (the model then masks
+    attention to each document)."""
+    if isinstance(batch, dict):
+        return batch["tokens"], batch["position_ids"][:, :-1]
+    return batch, None
 
 
 @model_fields

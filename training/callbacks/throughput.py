@@ -95,6 +95,7 @@ class Throughput(Callback):
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
+        batch = batch["tokens"] if isinstance(batch, dict) else batch  # (document masking: a dict)
         self._tokens += batch.shape[0] * (batch.shape[1] - 1)  # inputs are batch[:, :-1]
         if trainer.global_step == self._last_step:
             return  # still accumulating gradients: no optimizer step yet

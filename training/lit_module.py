@@ -64,10 +64,12 @@ class LitLM(LightningModule):
         self.model: Transformer | None = None
         self._micro_losses: list[Tensor] = []  # this update's micro-batch losses so far
 
-    def model_config(self) -> ModelConfig:
-        """The preset with the overrides; vocab_size and max_seq_len from the datamodule unless given."""
+    def model_config(self, datamodule: Any = None) -> ModelConfig:
+        """The preset with the overrides; vocab_size and max_seq_len from the datamodule (the trainer's, or the
+        one given, before `fit` attaches it) unless given."""
         overrides = dict(self.overrides)
-        datamodule = self._trainer.datamodule if self._trainer is not None else None
+        if datamodule is None and self._trainer is not None:
+            datamodule = self._trainer.datamodule
         if datamodule is not None:
             overrides.setdefault("vocab_size", datamodule.vocab_size)
             overrides.setdefault("max_seq_len", datamodule.seq_len)

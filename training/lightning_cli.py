@@ -6,7 +6,8 @@ Config groups (all settable in YAML via `-c` and as dotted flags):
   data.*        TokenDataModule (`--data.path`, `--data.seq_len`, `--data.batch_size`)
   trainer.*     Lightning Trainer (`--trainer.max_steps`, `--trainer.devices`, `--trainer.strategy zero2`)
   checkpoint.*  StepCheckpoint (`--checkpoint.every_n_steps`, `--checkpoint.keep_last_n`)
-  guard.*       NonFiniteGuard (`--guard.policy abort|skip`, `--guard.max_consecutive_skips`)
+  guard.*       NonFiniteGuard (`--guard.policy abort|skip`, `--guard.max_consecutive_skips`, spike dumps:
+                `--guard.dump_spike_z`, `--guard.max_dumps`)
   throughput.*  Throughput (`--throughput.peak_tflops`)
   name, runs_dir, ckpt_path, branch_from, seed_everything
 

@@ -121,11 +121,13 @@ class NonFiniteGuard(Callback):
         self._spikes.start(trainer)
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
-        self._spikes.observe_batch(batch, batch_idx % trainer.accumulate_grad_batches == 0)
+        if self._spikes.enabled:
+            self._spikes.observe_batch(batch, batch_idx % trainer.accumulate_grad_batches == 0)
 
     def on_before_backward(self, trainer: Trainer, pl_module: LightningModule, loss: torch.Tensor) -> None:
         self._step_losses.append(loss.detach())
-        self._spikes.observe_loss(loss, trainer.accumulate_grad_batches)
+        if self._spikes.enabled:
+            self._spikes.observe_loss(loss, trainer.accumulate_grad_batches)
         if self.skip_spike_z is None or not is_deepspeed(trainer.strategy):
             return
         if not trainer.strategy.deepspeed_engine.is_gradient_accumulation_boundary():

@@ -111,15 +111,12 @@ class SpikeRecorder:
             self.dumps = int(trainer.strategy.broadcast(found))
 
     def observe_batch(self, batch: torch.Tensor, first_micro_batch: bool) -> None:
-        if not self.enabled:
-            return
         if first_micro_batch:
             self._batches, self._losses = [], []
         self._batches.append(batch.detach())
 
     def observe_loss(self, loss: torch.Tensor, accumulate: int) -> None:
-        if self.enabled:
-            self._losses.append(loss.detach().float() * accumulate)  # Lightning divided it by the accumulation
+        self._losses.append(loss.detach().float() * accumulate)  # Lightning divided it by the accumulation
 
     def due(self, z: float) -> bool:
         return self.enabled and self.dumps < self.max_dumps and z > self.threshold

@@ -23,7 +23,8 @@ starts of the run, up to the step it resumed at, count). It holds:
 
 Under DeepSpeed (ZeRO 0-3) gradients and fp32 weights are read in full with DeepSpeed's `safe_get_full_grad`
 and `safe_get_full_fp32_param` (collectives: every rank calls them, in the same order, on the same steps —
-the z-score is the same on every rank); rank 0 writes. When `guard.skip_spike_z` also drops the step under
+the z-score is the same on every rank); rank 0 writes. Tested single process and 2-rank ZeRO-2 (ZeRO-3 takes
+the same gathers, untested). When `guard.skip_spike_z` also drops the step under
 DeepSpeed, its gradient was made NaN on purpose (see guard.py), so its `grad_norm` values are NaN.
 Cost: nothing on other steps (the step's batches are only referenced); on a dump step one fp32 copy of the
 weights in host memory and a gather of the batch.

@@ -166,24 +166,29 @@ class NormlabCLI(LightningCLI):
 
     before_validate = before_test = _check_inputs
 
+    def _check_branch(self) -> dict[str, Any]:
+        """The resume checks against the parent (one error line, before anything is written), and what this
+        branch's manifests record about it."""
+        resume.check_fits(self._parent.ckpt_dir, self.model.model_config(self.datamodule).to_dict(),
+                          self.datamodule.tokenizer_path, self.trainer, action="branch from")
+        if 0 < self.trainer.max_steps <= self._parent.step:
+            raise UserError(f"--trainer.max_steps {self.trainer.max_steps}: the branch starts at the parent's step "
+                            f"{self._parent.step}; give a larger max_steps (the step to end at)")
+        return self._parent.record()
+
     def before_fit(self) -> None:
         self._check_inputs()
         config = self.config[self.subcommand]
         load = config.ckpt_path  # what `fit` loads: the resolved --ckpt_path, or a branch's parent
-        lineage = None  # what the checkpoints record as this run's parent (training/branch.py)
         if self._parent is not None:
-            resume.check_fits(self._parent.ckpt_dir, self.model.model_config(self.datamodule).to_dict(),
-                              self.datamodule.tokenizer_path, self.trainer, action="branch from")
-            if 0 < self.trainer.max_steps <= self._parent.step:
-                raise UserError(f"--trainer.max_steps {self.trainer.max_steps}: the branch starts at the parent's "
-                                f"step {self._parent.step}; give a larger max_steps (the step to end at)")
-            lineage = self._parent.record()
-        elif load and (checkpoint.ckpt_dir_of(load) / checkpoint.MANIFEST).is_file():
-            lineage = checkpoint.read_manifest(checkpoint.ckpt_dir_of(load)).get(branch.MANIFEST_KEY)
-        if self._parent is not None:
+            lineage = self._check_branch()
             # The recorded config (config.yaml, here and per checkpoint) is what reruns this branch: --branch_from
             # with the --ckpt_path given, not the parent's path (`fit` itself gets that from config_init).
             config.ckpt_path = self._requested_ckpt_path
+        elif load and (checkpoint.ckpt_dir_of(load) / checkpoint.MANIFEST).is_file():  # resumed: keep its record
+            lineage = checkpoint.read_manifest(checkpoint.ckpt_dir_of(load)).get(branch.MANIFEST_KEY)
+        else:
+            lineage = None
         text = compat.cli_parser(self).dump(config, skip_unset=False)  # nulls too: a complete record
         for callback in self.trainer.callbacks:
             if isinstance(callback, StepCheckpoint):

@@ -78,6 +78,7 @@ CASES = {
                                   ["--branch_from", "--ckpt_path", "give one of them", "--ckpt_path last"]),
     "branch_into_a_run_with_checkpoints": (f"fit --name taken --branch_from {TRUNK}6",
                                            ["taken already holds checkpoints", "--name"]),
+    "branch_from_outside_fit": (f"validate --branch_from {TRUNK}6", ["--branch_from applies to `normlab fit`"]),
     "branch_ends_before_it_starts": (f"fit --name cool --branch_from {TRUNK}6",
                                      ["--trainer.max_steps 1", "parent's step 6", "larger max_steps"]),
     "unwritable_export": ("export --checkpoint {model} --format safetensors --output {runs}/a-file/model",

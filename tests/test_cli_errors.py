@@ -42,6 +42,21 @@ def taken_run(runs: Path) -> None:
     (ckpt / checkpoint.MANIFEST).write_text(json.dumps({"step": 10, "format": "lightning"}))
 
 
+def trunk_run(runs: Path) -> None:
+    """Checkpoint directories to branch from (`--branch_from`): step 4 of another model (dim 64), step 6 of this
+    one, and step 2 interrupted (no manifest). The weights file is never read: the checks refuse first."""
+    ckpts = checkpoint.checkpoints_dir(runs / "trunk")
+    for step, dim in ((4, 64), (6, 32)):
+        ckpt = ckpts / checkpoint.step_dirname(step)
+        ckpt.mkdir(parents=True)
+        cfg = ModelConfig.preset("llama", vocab_size=320, dim=dim, n_layers=1, n_heads=4, max_seq_len=16)
+        (ckpt / checkpoint.MODEL_CONFIG_FILE).write_text(json.dumps(cfg.to_dict()))
+        (ckpt / checkpoint.LIGHTNING_FILE).write_bytes(b"")
+        (ckpt / checkpoint.MANIFEST).write_text(json.dumps({"step": step, "format": "lightning"}))
+    (ckpts / checkpoint.step_dirname(2)).mkdir()
+
+
+TRUNK = "{runs}/trunk/checkpoints/step-0000000"
 # (command line with {data}, {runs}, {model}, {out} filled in; substrings the error line must hold)
 CASES = {
     "heads_do_not_divide_dim": ("fit --model.dim 100 --model.n_heads 3", ["ModelConfig.dim=100", "n_heads=3"]),
@@ -53,6 +68,19 @@ CASES = {
     "missing_data": ("fit --data.path {runs}/nothing-here", ["no prepared data at", "normlab prepare"]),
     "run_has_checkpoints": ("fit --name taken", ["already holds checkpoints", "--ckpt_path last"]),
     "missing_ckpt_path": ("fit --ckpt_path {runs}/no-such-step", ["no such checkpoint"]),
+    "missing_branch_from": ("fit --name cool --branch_from {runs}/no-such-step",
+                            ["--branch_from", "no-such-step: no such checkpoint", "step-XXXXXXXX"]),
+    "incomplete_branch_from": (f"fit --name cool --branch_from {TRUNK}2",
+                               ["--branch_from", "step-00000002: no manifest.json", "an interrupted save"]),
+    "branch_from_another_model": (f"fit --name cool --branch_from {TRUNK}4",
+                                  ["cannot branch from", "step-00000004", "(dim: 64 → 32)", "model_config.json"]),
+    "branch_from_and_ckpt_path": (f"fit --name cool --branch_from {TRUNK}6 --ckpt_path {TRUNK}4",
+                                  ["--branch_from", "--ckpt_path", "give one of them", "--ckpt_path last"]),
+    "branch_into_a_run_with_checkpoints": (f"fit --name taken --branch_from {TRUNK}6",
+                                           ["taken already holds checkpoints", "--name"]),
+    "branch_from_outside_fit": (f"validate --branch_from {TRUNK}6", ["--branch_from applies to `normlab fit`"]),
+    "branch_ends_before_it_starts": (f"fit --name cool --branch_from {TRUNK}6",
+                                     ["--trainer.max_steps 1", "parent's step 6", "larger max_steps"]),
     "unwritable_export": ("export --checkpoint {model} --format safetensors --output {runs}/a-file/model",
                           ["cannot write --output", "a-file/model", "choose a directory"]),
     "top_p_above_one": ("generate --checkpoint {model} --prompt hi --top-p 1.5", ["--top-p 1.5", "(0, 1]"]),
@@ -82,6 +110,7 @@ def test_user_error_is_one_line(case, workdir, tmp_path, state_dict_file, capsys
     line, expected = CASES[case]
     runs = tmp_path / "runs"
     taken_run(runs)
+    trunk_run(runs)
     (runs / "a-file").write_text("not a directory")
     before = files_under(tmp_path)
     code = main(argv_of(line, workdir, runs, state_dict_file))

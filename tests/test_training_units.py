@@ -210,7 +210,7 @@ def test_deepspeed_launcher_node_rank():
 
 def test_litlm_overrides_and_fail_fast():
     lit = LitLM(preset="olmo2", dim=64, n_heads=4, placement="post")
-    cfg = lit.model_config()
+    cfg = lit.config
     assert (cfg.placement, cfg.qk_norm, cfg.dim, cfg.n_layers) == ("post", "full", 64, 4)
     assert lit.hparams["optim"]["lr"] == OptimConfig().lr and lit.hparams["placement"] == "post"
     with pytest.raises(ValueError, match="placement"):

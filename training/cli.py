@@ -8,9 +8,10 @@
 small (~7.4M parameter) Llama-style model, fp32 on CPU (bf16-mixed on a GPU), logging to `runs/default/`.
 
 Run layout: `--runs_dir`/`--name` (default `runs/default`) holds the TensorBoard events, `config.yaml` and
-`checkpoints/step-XXXXXXXX/` (layout: training/checkpoint.py; saving: training/callbacks/step_checkpoint.py).
+`checkpoints/step-XXXXXXXX/` (layout: training/checkpoint.py; saving: training/callbacks/step_checkpoint.py),
+and `spikes/step-XXXXXXXX/` with `--guard.dump_spike_z` (training/callbacks/spikes.py).
 `--ckpt_path last` resumes the newest complete checkpoint — or starts fresh when there is none, so one command
-both starts and resumes a job.
+both starts and resumes a job. `--branch_from` starts a new run from another run's checkpoint (training/branch.py).
 """
 from __future__ import annotations
 

@@ -6,16 +6,20 @@ Config groups (all settable in YAML via `-c` and as dotted flags):
   data.*        TokenDataModule (`--data.path`, `--data.seq_len`, `--data.batch_size`)
   trainer.*     Lightning Trainer (`--trainer.max_steps`, `--trainer.devices`, `--trainer.strategy zero2`)
   checkpoint.*  StepCheckpoint (`--checkpoint.every_n_steps`, `--checkpoint.keep_last_n`)
-  guard.*       NonFiniteGuard (`--guard.policy abort|skip`, `--guard.max_consecutive_skips`)
+  guard.*       NonFiniteGuard (`--guard.policy abort|skip`, `--guard.max_consecutive_skips`, spike dumps:
+                `--guard.dump_spike_z`, `--guard.max_dumps`)
   throughput.*  Throughput (`--throughput.peak_tflops`)
-  name, runs_dir, ckpt_path, seed_everything
+  name, runs_dir, ckpt_path, branch_from, seed_everything
+
+`--branch_from <run>/checkpoints/step-X` starts a new run (`--name`) from another run's checkpoint with its own
+schedule: a cooldown branch (training/branch.py).
 
 Defaults: configs/default.yaml (the default job), then `-c` files in order, then dotted flags.
 """
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch import Trainer
@@ -25,7 +29,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 
 from data.datamodule import TokenDataModule
 from data.prepare import DEFAULT_OUTPUT
-from training import checkpoint, compat, resume
+from training import branch, checkpoint, compat, resume
 from training.callbacks import NonFiniteGuard, RNGState, StepCheckpoint, Throughput, TrainingHealth
 from training.callbacks.progress import step_counting
 from training.cli import LIGHTNING_SUBCOMMANDS
@@ -57,6 +61,8 @@ class NormlabCLI(LightningCLI):
 
     def __init__(self, args: list[str] | None = None) -> None:
         self._purge_step: int | None = None
+        self._parent: branch.Parent | None = None  # --branch_from, when this fit starts a branch
+        self._requested_ckpt_path: str | None = None
         super().__init__(
             lit_lm,
             TokenDataModule,
@@ -74,6 +80,11 @@ class NormlabCLI(LightningCLI):
         parser.add_argument("--name", type=str, default="default",
                             help="Run name: events, config and checkpoints go to <runs_dir>/<name>/")
         parser.add_argument("--runs_dir", type=str, default="runs", help="Directory holding all runs")
+        parser.add_argument("--branch_from", type=Optional[str], default=None,  # noqa: UP045 (jsonargparse reads it)
+                            help="Start this (new) run from another run's checkpoint directory with this run's own "
+                                 "LR schedule: weights, optimizer state, data position and step carried over "
+                                 "(a cooldown branch); with --ckpt_path last, resume the branch once it has "
+                                 "checkpoints")
         # The run directory is the trainer's default_root_dir, derived here and nowhere else.
         parser.link_arguments(("runs_dir", "name"), "trainer.default_root_dir", compute_fn=run_dir)
         parser.add_class_arguments(OptimConfig, "optim")
@@ -91,15 +102,38 @@ class NormlabCLI(LightningCLI):
         config = self.config[self.subcommand]
         root = config.trainer.default_root_dir
         requested = config.ckpt_path
-        config.ckpt_path, resumed_step = checkpoint.resolve(requested, root)
-        if self.subcommand == "fit":
-            if requested is None:
-                resume.check_fresh_run(root)
-            # TensorBoard: drop what a crashed run logged after its checkpoint (steps > the checkpoint's, see
-            # LitLM._log_eval for the step convention); everything on a fresh start.
-            self._purge_step = resumed_step + 1 if resumed_step is not None else 0
+        self._requested_ckpt_path, self._parent = requested, None
+        if config.branch_from is not None:
+            self._parent = self._resolve_branch(config, root)
+        if self._parent is not None:  # a new run: from the parent's checkpoint, into a fresh run directory
+            resume.check_fresh_run(root)
+            config.ckpt_path, self._purge_step = self._parent.load_path, 0
+        else:
+            config.ckpt_path, resumed_step = checkpoint.resolve(requested, root)
+            if self.subcommand == "fit":
+                if requested is None:
+                    resume.check_fresh_run(root)
+                # TensorBoard: drop what a crashed run logged after its checkpoint (steps > the checkpoint's, see
+                # LitLM._log_eval for the step convention); everything on a fresh start.
+                self._purge_step = resumed_step + 1 if resumed_step is not None else 0
         if config.trainer.precision is None:
             config.trainer.precision = default_precision(config.trainer.accelerator)
+
+    def _resolve_branch(self, config: Any, root: str) -> branch.Parent | None:
+        """`--branch_from`: the parent to branch from, or None when `--ckpt_path last` finds the branch's own
+        checkpoints to resume (which must have branched from the same parent)."""
+        if self.subcommand != "fit":
+            raise UserError(f"--branch_from applies to `normlab fit` (a new run), not `normlab {self.subcommand}`: "
+                            "give the checkpoint with --ckpt_path")
+        if config.ckpt_path not in (None, "last"):
+            raise UserError(f"--branch_from {config.branch_from} and --ckpt_path {config.ckpt_path}: give one of them "
+                            "(--branch_from starts a new run from another run's checkpoint; add --ckpt_path last to "
+                            "resume that branch once it has checkpoints)")
+        own = checkpoint.complete_checkpoints(root) if config.ckpt_path == "last" else []
+        if own:
+            branch.check_lineage(config.branch_from, checkpoint.read_manifest(own[-1]), root)
+            return None
+        return branch.resolve_parent(config.branch_from)
 
     def instantiate_classes(self) -> None:
         # A value refused by a constructor (ModelConfig, OptimConfig, the datamodule, a callback, the Trainer) is
@@ -121,6 +155,8 @@ class NormlabCLI(LightningCLI):
             trainer.callbacks[:] = [step_counting(c) for c in trainer.callbacks]  # Lightning's default bar
         # First of all callbacks: every other callback's on_train_batch_start must see the restored RNG stream.
         trainer.callbacks.insert(0, RNGState())
+        if self._parent is not None:
+            trainer.callbacks.insert(1, branch.BranchSchedule(self._parent.step))
         return trainer
 
     def _check_inputs(self) -> None:
@@ -134,11 +170,32 @@ class NormlabCLI(LightningCLI):
 
     before_validate = before_test = _check_inputs
 
+    def _check_branch(self) -> dict[str, Any]:
+        """The resume checks against the parent (one error line, before anything is written), and what this
+        branch's manifests record about it."""
+        resume.check_fits(self._parent.ckpt_dir, self.model.config.to_dict(),
+                          self.datamodule.tokenizer_path, self.trainer, action="branch from")
+        if 0 < self.trainer.max_steps <= self._parent.step:
+            raise UserError(f"--trainer.max_steps {self.trainer.max_steps}: the branch starts at the parent's step "
+                            f"{self._parent.step}; give a larger max_steps (the step to end at)")
+        return self._parent.record()
+
     def before_fit(self) -> None:
         self._check_inputs()
         config = self.config[self.subcommand]
+        load = config.ckpt_path  # what `fit` loads: the resolved --ckpt_path, or a branch's parent
+        if self._parent is not None:
+            lineage = self._check_branch()
+            # The recorded config (config.yaml, here and per checkpoint) is what reruns this branch: --branch_from
+            # with the --ckpt_path given, not the parent's path (`fit` itself gets that from config_init).
+            config.ckpt_path = self._requested_ckpt_path
+        elif load and (checkpoint.ckpt_dir_of(load) / checkpoint.MANIFEST).is_file():  # resumed: keep its record
+            lineage = checkpoint.read_manifest(checkpoint.ckpt_dir_of(load)).get(branch.MANIFEST_KEY)
+        else:
+            lineage = None
         text = compat.cli_parser(self).dump(config, skip_unset=False)  # nulls too: a complete record
         for callback in self.trainer.callbacks:
             if isinstance(callback, StepCheckpoint):
                 callback.resolved_config = text
-                callback.resume_from = config.ckpt_path  # checked against the run before anything loads
+                callback.resume_from = load  # checked against the run before anything loads
+                callback.branched_from = lineage

@@ -87,8 +87,12 @@ def param_groups(model: nn.Module, cfg: OptimConfig) -> list[dict]:
                 continue
             seen.add(id(p))
             groups["no_decay" if param_kind(module, name) in cfg.no_decay else "decay"].append(p)
-    decay = {"decay": cfg.weight_decay, "no_decay": 0.0}
-    return [{"name": k, "params": ps, "weight_decay": decay[k]} for k, ps in groups.items() if ps]
+    return [{"name": k, "params": ps, "weight_decay": group_weight_decay(k, cfg)} for k, ps in groups.items() if ps]
+
+
+def group_weight_decay(name: str, cfg: OptimConfig) -> float:
+    """The weight decay of the parameter group `name` ("decay" or "no_decay")."""
+    return cfg.weight_decay if name == "decay" else 0.0
 
 
 def lr_factor(step: int, cfg: OptimConfig, total_steps: int) -> float:
@@ -122,3 +126,22 @@ def build_optimizer(
     optimizer = torch.optim.AdamW(param_groups(model, cfg), lr=cfg.lr, betas=cfg.betas, eps=cfg.eps)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, partial(lr_factor, cfg=cfg, total_steps=int(total_steps)))
     return optimizer, schedule
+
+
+def restart_schedule(schedule: torch.optim.lr_scheduler.LambdaLR, cfg: OptimConfig, step: int) -> None:
+    """Put `cfg`'s own hyper-parameters and LR schedule, evaluated at optimizer step `step`, on an optimizer
+    whose state was just loaded from another run (a cooldown branch, training/branch.py).
+
+    Loading a checkpoint restores the parent's param-group values (lr, initial_lr, betas, eps, weight decay)
+    and its scheduler's position and base LRs; the moments and step counts stay as loaded. `schedule` must
+    be the LambdaLR `build_optimizer` made from `cfg`: its lambda is this run's schedule (a LambdaLR keeps its
+    own lambdas when it loads a state). The next update then uses lr · lr_factor(step, cfg, total).
+    """
+    groups = schedule.optimizer.param_groups
+    for group in groups:
+        group.update(initial_lr=cfg.lr, betas=cfg.betas, eps=cfg.eps)
+        if group.get("name") in ("decay", "no_decay"):
+            group["weight_decay"] = group_weight_decay(group["name"], cfg)
+    schedule.base_lrs = [cfg.lr] * len(groups)
+    schedule.last_epoch = step - 1
+    schedule.step()  # → last_epoch = step: sets every group's lr (and get_last_lr) from the lambda

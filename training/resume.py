@@ -1,9 +1,10 @@
-"""What a resume checks before any weight is loaded: each failure names the checkpoint and the fix.
+"""What a resume (or a cooldown branch, training/branch.py) checks before any weight is loaded: each failure
+names the checkpoint and the fix.
 
 - a new run must not write over another run's checkpoints (`check_fresh_run`);
 - a DeepSpeed directory resumes under DeepSpeed, a Lightning file without it (`check_format`);
 - the checkpoint is whole (every file the manifest lists, at its size), and was written with this model config
-  and tokenizer (`check_resume`);
+  and tokenizer (`check_resume`; `check_fits` for a branch, before `fit`);
 - another gradient accumulation must continue on an update boundary (`check_accumulation`);
 - on another world size, its format must be able to reshard (`check_reshard`).
 """
@@ -51,24 +52,32 @@ def check_format(ckpt_path: str, deepspeed: bool) -> None:
 
 def check_resume(ckpt_dir: Path, trainer: Trainer, pl_module: LightningModule) -> None:
     """Refuse to resume a checkpoint that does not fit this run (same result on every rank: no collective)."""
+    check_fits(ckpt_dir, pl_module.config.to_dict(), trainer.datamodule.tokenizer_path, trainer)
+
+
+def check_fits(ckpt_dir: Path, model_config: dict[str, Any], tokenizer_path: Path | None, trainer: Trainer,
+               action: str = "resume") -> None:
+    """The checkpoint at `ckpt_dir` can be loaded into a run with `model_config`, trained on the tokenizer at
+    `tokenizer_path`, with `trainer`'s accumulation and world size. `action` ("resume", "branch from") names
+    what is refused in the messages. (Needs only the trainer's settings: also usable before `fit`.)"""
     manifest = read_manifest(ckpt_dir)
     verify_files(ckpt_dir, manifest)
     config_file = ckpt_dir / MODEL_CONFIG_FILE
     if config_file.is_file():
         saved = json.loads(config_file.read_text())
-        current = pl_module.config.to_dict()
-        if config_hash(saved) != config_hash(current):
-            diff = ", ".join(f"{k}: {saved.get(k)!r} → {current.get(k)!r}" for k in sorted(set(saved) | set(current))
-                             if saved.get(k) != current.get(k))
-            raise CheckpointError(
-                f"cannot resume {ckpt_dir}: the model config changed ({diff}). "
-                "Resume with the checkpoint's model config (see its model_config.json), or start a new run "
-                "with --name")
+        if config_hash(saved) != config_hash(model_config):
+            diff = ", ".join(f"{k}: {saved.get(k)!r} → {model_config.get(k)!r}"
+                             for k in sorted(set(saved) | set(model_config)) if saved.get(k) != model_config.get(k))
+            fix = ("A branch continues its parent's model: use the parent's model config (see its "
+                   "model_config.json)" if action != "resume" else
+                   "Resume with the checkpoint's model config (see its model_config.json), or start a new run "
+                   "with --name")
+            raise CheckpointError(f"cannot {action} {ckpt_dir}: the model config changed ({diff}). {fix}")
     saved_tok = manifest.get("tokenizer_hash")
-    current_tok = file_hash(trainer.datamodule.tokenizer_path)
+    current_tok = file_hash(tokenizer_path)
     if saved_tok and current_tok and saved_tok != current_tok:
-        raise CheckpointError(f"cannot resume {ckpt_dir}: the tokenizer differs from the one it was trained with "
-                              f"({trainer.datamodule.tokenizer_path} has another hash); use the run's --data.path")
+        raise CheckpointError(f"cannot {action} {ckpt_dir}: the tokenizer differs from the one it was trained with "
+                              f"({tokenizer_path} has another hash); use the run's --data.path")
     check_accumulation(ckpt_dir, manifest, trainer)
     saved_world = manifest.get("world_size")
     if saved_world is not None and saved_world != trainer.world_size:

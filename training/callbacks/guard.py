@@ -33,6 +33,10 @@ losses are known by then), and a spiking step's gradient is made NaN through a h
 engine's own overflow check drops the update — the same, verified path as a real overflow. (With fp16 dynamic
 loss scaling that also halves the loss scale once, as any overflow does.)
 
+Spike forensics: with `dump_spike_z` set, a step whose z-score exceeds it (with any policy) has its batch,
+per-layer gradient norms and Adam update norms written to `<run dir>/spikes/step-XXXXXXXX/`, at most `max_dumps`
+per run (callbacks/spikes.py).
+
 Step numbers are update numbers, as in TensorBoard: the update computed while `global_step == s` is step s+1.
 """
 from __future__ import annotations
@@ -46,6 +50,8 @@ import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 
 from model.names import layer_index
+from training.callbacks.spikes import SpikeRecorder
+from training.lit_module import split_batch
 from training.strategy import is_deepspeed
 
 log = logging.getLogger(__name__)
@@ -72,7 +78,7 @@ def _layer(name: str) -> str:
 
 class NonFiniteGuard(Callback):
     def __init__(self, policy: str = "abort", max_consecutive_skips: int = 3, spike_window: int = 50,
-                 skip_spike_z: float | None = None) -> None:
+                 skip_spike_z: float | None = None, dump_spike_z: float | None = None, max_dumps: int = 5) -> None:
         if policy not in POLICIES:
             raise ValueError(f"guard.policy={policy!r} is not one of {list(POLICIES)}")
         if max_consecutive_skips < 1:
@@ -81,6 +87,10 @@ class NonFiniteGuard(Callback):
             raise ValueError(f"guard.spike_window={spike_window} must be >= 2")
         if skip_spike_z is not None and (skip_spike_z <= 0 or policy != "skip"):
             raise ValueError(f"guard.skip_spike_z={skip_spike_z} needs a positive value and guard.policy=skip")
+        if dump_spike_z is not None and not dump_spike_z > 0:
+            raise ValueError(f"guard.dump_spike_z={dump_spike_z} must be > 0 (a loss z-score), or null for no dumps")
+        if max_dumps < 1:
+            raise ValueError(f"guard.max_dumps={max_dumps} must be >= 1 (set guard.dump_spike_z null for none)")
         self.policy, self.max_consecutive_skips = policy, max_consecutive_skips
         self.spike_window, self.skip_spike_z = spike_window, skip_spike_z
         self.skipped = 0  # steps skipped in this run, across restarts (by the guard or by DeepSpeed)
@@ -93,6 +103,8 @@ class NonFiniteGuard(Callback):
         self._decided = False  # on_before_optimizer_step ran for the current step
         self._ds_skipped = 0
         self._judged: tuple[bool, float, float] | None = None  # the step's loss verdict, when reached early
+        self.dump_spike_z, self.max_dumps = dump_spike_z, max_dumps
+        self._spikes = SpikeRecorder(dump_spike_z, max_dumps)
 
     # Saved in every checkpoint, so a resumed run judges spikes against the same window and keeps counting.
     def state_dict(self) -> dict[str, Any]:
@@ -107,9 +119,16 @@ class NonFiniteGuard(Callback):
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if is_deepspeed(trainer.strategy):
             self._ds_skipped = trainer.strategy.deepspeed_engine.skipped_steps
+        self._spikes.start(trainer)
+
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        if self._spikes.enabled:
+            self._spikes.observe_batch(split_batch(batch)[0], batch_idx % trainer.accumulate_grad_batches == 0)
 
     def on_before_backward(self, trainer: Trainer, pl_module: LightningModule, loss: torch.Tensor) -> None:
         self._step_losses.append(loss.detach())
+        if self._spikes.enabled:
+            self._spikes.observe_loss(loss, trainer.accumulate_grad_batches)
         if self.skip_spike_z is None or not is_deepspeed(trainer.strategy):
             return
         if not trainer.strategy.deepspeed_engine.is_gradient_accumulation_boundary():
@@ -147,6 +166,8 @@ class NonFiniteGuard(Callback):
             self._skip(trainer, pl_module, deepspeed, f"{what} at step {step}")
             return
         self._log(trainer, {"guard/loss_z": z}, step)
+        if self._spikes.due(z):  # (the same verdict on every rank: the dump's gathers are collectives)
+            self._spikes.before_step(trainer, pl_module, step, loss, z, list(self._losses))
         if spike:
             self._skip(trainer, pl_module, deepspeed, f"loss spike at step {step} (z={z:.1f})")
             return
@@ -170,6 +191,7 @@ class NonFiniteGuard(Callback):
                                  trainer.global_step)
         if applied and not self._scaler_overflow:  # (without DeepSpeed the GradScaler skipped it)
             self.consecutive = 0
+        self._spikes.after_step(trainer, pl_module, applied and not self._scaler_overflow)
         self._skip_this_step = self._scaler_overflow = self._decided = False
 
     # -- helpers -----------------------------------------------------------------------------------------

@@ -111,8 +111,9 @@ class StepCheckpoint(Callback):
     fit ends at — also on SIGTERM / Ctrl-C. `every_n_steps=0` disables every checkpoint, the final one too.
 
     The run directory is the trainer's `default_root_dir` (the CLI sets it to `runs/<name>`).
-    `resolved_config` is the YAML text of the run's full configuration and `resume_from` the resolved
-    `--ckpt_path` (both set by the CLI; Lightning only learns the checkpoint path after `setup`).
+    `resolved_config` is the YAML text of the run's full configuration, `resume_from` the resolved
+    `--ckpt_path` and `branched_from` the parent of a cooldown branch (training/branch.py), recorded in every
+    manifest (all set by the CLI; Lightning only learns the checkpoint path after `setup`).
     """
 
     def __init__(self, every_n_steps: int = 100, keep_last_n: int | None = None) -> None:
@@ -124,6 +125,7 @@ class StepCheckpoint(Callback):
         self.every_n_steps, self.keep_last_n = every_n_steps, keep_last_n
         self.resolved_config: str | None = None
         self.resume_from: str | None = None
+        self.branched_from: dict[str, Any] | None = None
         self._last_saved = -1
         self._boundary = -1  # the global step of the last update boundary seen
         self._signals = StopSignals()
@@ -263,6 +265,7 @@ class StepCheckpoint(Callback):
             "versions": versions(),
             "git_revision": self._git_revision,
             "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            **({"branched_from": self.branched_from} if self.branched_from is not None else {}),
             "files": file_sizes(ckpt_dir),  # checked before a resume or a load (see verify_files)
         }
         write_text_atomic(ckpt_dir / MANIFEST, json.dumps(manifest, indent=2) + "\n")  # last: marks complete

@@ -24,6 +24,8 @@ from lightning.fabric.utilities.throughput import get_available_flops
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.trainer.states import TrainerFn
 
+from training.lit_module import split_batch
+
 log = logging.getLogger(__name__)
 
 
@@ -95,8 +97,8 @@ class Throughput(Callback):
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        batch = batch["tokens"] if isinstance(batch, dict) else batch  # (document masking: a dict)
-        self._tokens += batch.shape[0] * (batch.shape[1] - 1)  # inputs are batch[:, :-1]
+        tokens, _ = split_batch(batch)  # (a dict under document masking)
+        self._tokens += tokens.shape[0] * (tokens.shape[1] - 1)  # inputs are tokens[:, :-1]
         if trainer.global_step == self._last_step:
             return  # still accumulating gradients: no optimizer step yet
         self._last_step = trainer.global_step

@@ -1,0 +1,48 @@
+"""A cooldown branch of a 2-rank DeepSpeed ZeRO-2 trunk (real processes on CPU): it starts from the trunk's
+exact step-4 weights and follows its own schedule. (~1-2 minutes on 2 idle cores, mostly process start-up.)"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.helpers.multiproc import REPO, run_normlab
+from tests.helpers.runs import consolidated_state_dict, scalars
+from tests.test_branch import TRUNK, probe_config, wsd_linear
+from training import checkpoint
+
+pytestmark = pytest.mark.slow
+
+HELPERS = REPO / "tests" / "helpers"
+
+
+def fit_args(workdir: Path, name: str, *extra: str) -> list[str]:
+    return ["fit", "-c", str(HELPERS / "tiny.yaml"), "--data.path", str(workdir / "tiny"), "--runs_dir",
+            str(workdir / "runs"), "--name", name, "--trainer.strategy", "zero2", "--trainer.devices", "2",
+            "--metrics.every_n_steps", "0", *extra]
+
+
+def test_zero2_cooldown_branch(workdir, tmp_path):
+    run_normlab(fit_args(workdir, "trunk", *TRUNK), cwd=workdir)
+    trunk = workdir / "runs" / "trunk"
+    parent = checkpoint.checkpoints_dir(trunk) / "step-00000004"
+    run_normlab(fit_args(workdir, "cool", "-c", str(probe_config(tmp_path)), "--branch_from", str(parent),
+                         "--optim.schedule", "wsd", "--optim.decay_fraction", "0.5", "--optim.weight_decay", "0.05"),
+                cwd=workdir)
+    cool = workdir / "runs" / "cool"
+
+    first = torch.load(tmp_path / "first.pt", weights_only=True)  # rank 0, before the branch's first update
+    saved = consolidated_state_dict(parent, tmp_path)
+    weights = {k.removeprefix("model."): v for k, v in first["state_dict"].items()}
+    assert first["global_step"] == 4 and weights.keys() == saved.keys()
+    assert all(torch.equal(weights[k], saved[k]) for k in saved)
+    assert {g["name"]: g["weight_decay"] for g in first["groups"]} == {"decay": 0.05, "no_decay": 0.0}
+    lrs = scalars(cool, "train/lr")
+    assert sorted(lrs) == [5, 6, 7, 8]
+    for step, lr in lrs.items():
+        assert lr == pytest.approx(wsd_linear(step - 1), rel=1e-6), step
+    manifest = checkpoint.read_manifest(checkpoint.checkpoints_dir(cool) / "step-00000008")
+    assert manifest["format"] == "deepspeed" and manifest["zero_stage"] == 2
+    assert manifest["branched_from"]["checkpoint"] == str(parent.resolve())
+    assert manifest["branched_from"]["step"] == 4

@@ -1,0 +1,123 @@
+"""Cooldown branches: a new run that starts from another run's checkpoint, with its own name and schedule.
+
+`normlab fit --name cool-200 --branch_from runs/trunk/checkpoints/step-00000800 --optim.schedule wsd ...`
+loads the parent's weights, optimizer state (AdamW moments and step counts), data position (tokens consumed),
+guard window and every rank's RNG state, and continues the global step from the parent's step k — exactly
+what `--ckpt_path` of that checkpoint would restore — except for what makes it a branch:
+- its run directory is fresh (refused if it holds checkpoints, like any new run), so it gets its own TensorBoard
+  run and checkpoints;
+- the learning rate follows the branch's own `--optim.*` settings, evaluated at step k: the parent's scheduler
+  state and param-group values (lr, betas, eps, weight decay) are replaced (`optim.restart_schedule`), and the
+  schedule's length is the branch's `--trainer.max_steps` (or `--optim.decay_steps`);
+- every checkpoint manifest of the branch records its parent under `branched_from` (checkpoint, run directory,
+  step, tokens seen, config/tokenizer hashes, git revision, the sha256 of the parent's manifest, and the
+  parent's own `branched_from`: the lineage).
+The model config must match the parent's, with the same checks as a resume (`resume.check_fits`).
+With the parent's own settings a branch therefore continues exactly like the parent (tested bit for bit).
+`--ckpt_path last` beside `--branch_from` resumes the branch once it has checkpoints (and branches until then),
+so one command starts and restarts a branch.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from lightning.pytorch import Callback, LightningModule, Trainer
+
+from training.checkpoint import (
+    LIGHTNING_FILE,
+    MANIFEST,
+    MODEL_CONFIG_FILE,
+    CheckpointError,
+    load_path,
+    read_manifest,
+    verify_files,
+)
+from training.optim import restart_schedule
+
+log = logging.getLogger(__name__)
+
+MANIFEST_KEY = "branched_from"
+
+
+@dataclass(frozen=True)
+class Parent:
+    """A complete normlab checkpoint directory that a branch starts from."""
+
+    ckpt_dir: Path  # absolute
+    manifest: dict[str, Any]
+
+    @property
+    def step(self) -> int:
+        return int(self.manifest["step"])
+
+    @property
+    def load_path(self) -> str:
+        """What `Trainer.fit(ckpt_path=...)` takes (see `checkpoint.load_path`)."""
+        return str(load_path(self.ckpt_dir))
+
+    def record(self) -> dict[str, Any]:
+        """What the branch's manifests record about this parent."""
+        m = self.manifest
+        run_dir = self.ckpt_dir.parent.parent if self.ckpt_dir.parent.name == "checkpoints" else None
+        record = {"checkpoint": str(self.ckpt_dir), "run_dir": str(run_dir) if run_dir else None,
+                  "step": self.step, "tokens_seen": m.get("tokens_seen"), "config_hash": m.get("config_hash"),
+                  "tokenizer_hash": m.get("tokenizer_hash"), "git_revision": m.get("git_revision"),
+                  "manifest_sha256": hashlib.sha256((self.ckpt_dir / MANIFEST).read_bytes()).hexdigest()}
+        if m.get(MANIFEST_KEY):
+            record[MANIFEST_KEY] = m[MANIFEST_KEY]
+        return record
+
+
+def resolve_parent(branch_from: str) -> Parent:
+    """`--branch_from` → the parent checkpoint, whole (every file its manifest lists, at its size); a step
+    directory, or the `model.ckpt` inside one."""
+    path = Path(branch_from)
+    if path.is_file() and path.name == LIGHTNING_FILE:
+        path = path.parent
+    where = f"--branch_from {branch_from}"
+    if not path.exists():
+        raise CheckpointError(f"{where}: no such checkpoint; give a complete step directory of another run "
+                              "(<run>/checkpoints/step-XXXXXXXX)")
+    if not path.is_dir() or not (path / MANIFEST).is_file():
+        raise CheckpointError(f"{where}: no {MANIFEST} there — an interrupted save, or not a normlab checkpoint "
+                              "directory; branch from a complete step directory (<run>/checkpoints/step-XXXXXXXX, "
+                              "e.g. an earlier one)")
+    manifest = read_manifest(path)
+    verify_files(path, manifest)
+    for needed in (MODEL_CONFIG_FILE, *([] if manifest.get("format") == "deepspeed" else [LIGHTNING_FILE])):
+        if not (path / needed).is_file():
+            raise CheckpointError(f"{where}: '{needed}' is missing, the checkpoint is incomplete; branch from "
+                                  "another step directory")
+    return Parent(path.resolve(), manifest)
+
+
+def check_lineage(branch_from: str, resumed_manifest: dict[str, Any], run_dir: str | Path) -> None:
+    """`--branch_from X --ckpt_path last` on a branch that has checkpoints: they must have branched from X."""
+    parent = resolve_parent(branch_from)
+    recorded = resumed_manifest.get(MANIFEST_KEY) or {}
+    if recorded.get("checkpoint") != str(parent.ckpt_dir):
+        origin = f"branched from {recorded['checkpoint']}" if recorded else "is not a branch"
+        raise CheckpointError(f"--branch_from {branch_from} --ckpt_path last: {run_dir} already holds checkpoints of "
+                              f"a run that {origin}; resume it without --branch_from, or branch into a new --name")
+
+
+class BranchSchedule(Callback):
+    """At the start of a branch's training (after Lightning restored the parent's optimizer and scheduler),
+    put the branch's own hyper-parameters and LR schedule, at the inherited step, in their place. Attached by
+    the CLI to a branch's first fit only: a resumed branch restores its own schedule from its checkpoint."""
+
+    def __init__(self, parent_step: int) -> None:
+        self.parent_step = parent_step
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if trainer.global_step != self.parent_step:
+            raise RuntimeError(f"a branch from step {self.parent_step} started training at step {trainer.global_step}")
+        for config in trainer.lr_scheduler_configs:
+            restart_schedule(config.scheduler, pl_module.optim, trainer.global_step)
+        if trainer.is_global_zero:
+            log.info("branch: continuing from step %d with this run's schedule (lr %.3g at this step)",
+                     trainer.global_step, trainer.lr_scheduler_configs[0].scheduler.get_last_lr()[0])

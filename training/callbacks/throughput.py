@@ -109,7 +109,7 @@ class Throughput(Callback):
             return
         (t0, n0), (t1, n1) = self._marks[0], self._marks[-1]
         tokens_per_sec = trainer.world_size * (n1 - n0) / max(t1 - t0, 1e-9)
-        flops_per_token = pl_module.config.flops_per_token(batch.shape[1] - 1)
+        flops_per_token = pl_module.config.flops_per_token(tokens.shape[1] - 1)
         mfu = tokens_per_sec * flops_per_token / (self._peak * trainer.world_size)
         pl_module.log("throughput/tokens_per_sec", tokens_per_sec)
         pl_module.log("throughput/mfu", mfu)

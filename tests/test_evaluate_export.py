@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import math
-import re
 import shutil
 from pathlib import Path
 
@@ -18,7 +17,7 @@ import transformers  # a test dependency: if it does not import, these tests fai
 
 from tests.helpers.data import make_tiny_corpus
 from tests.helpers.multiproc import REPO, run_normlab
-from tests.helpers.runs import scalars
+from tests.helpers.runs import scalars, table_value
 from training.loading import load_checkpoint
 
 pytestmark = pytest.mark.slow
@@ -190,9 +189,3 @@ def test_normlab_test_and_validate_on_a_checkpoint(runs, workdir):
                             "--ckpt_path", str(runs["llama"])], cwd=workdir)
         assert table_value(proc.stdout + proc.stderr, tag) == pytest.approx(logged, rel=1e-6), command
 
-
-def table_value(output: str, tag: str) -> float:
-    """The number Lightning's results table prints for `tag` (exactly one row)."""
-    found = re.findall(rf"{re.escape(tag)}\W+([0-9][0-9.e+-]*)", output)
-    assert len(found) == 1, (tag, output[-3000:])
-    return float(found[0])

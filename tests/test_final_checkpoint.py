@@ -66,6 +66,8 @@ def test_sigterm_mid_run_saves_then_resume_equals_the_straight_run(workdir, tmp_
     assert max(scalars(stopped, "train/loss")) == 6
 
     run_normlab(fit_args(workdir, "stopped", "--ckpt_path", "last"), cwd=workdir)
+    # from step 6: a run that started over would have superseded 4 and 6 (moved aside into incomplete/)
+    assert steps_saved(stopped) == ["step-00000004", "step-00000006", "step-00000008"]
     for tag in ("train/loss", "train/lr", "val/loss", "probe/rng"):
         assert scalars(stopped, tag) == scalars(straight, tag), tag
     final = [consolidated_state_dict(run / "checkpoints" / "step-00000008", tmp_path) for run in (straight, stopped)]

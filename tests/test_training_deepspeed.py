@@ -9,7 +9,9 @@ cores, almost all of it process start-up.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -127,6 +129,9 @@ def test_zero2_exact_resume(workdir, zero2, tmp_path):
     resumed = run_dir(workdir, "resumed")
     assert not ckpt(resumed, 8).exists() and max(scalars(resumed, "train/loss")) == 6
     run_torchrun(fit_args(workdir, "resumed", "zero2", "--ckpt_path", "last"), cwd=workdir)
+    # resumed from step 4: a run that started over would have superseded it (moved aside into incomplete/) and
+    # still logged the same numbers
+    assert sorted(p.name for p in (resumed / "checkpoints").iterdir()) == ["step-00000004", "step-00000008"]
     for tag in TAGS:
         assert scalars(resumed, tag) == scalars(zero2, tag), tag  # dict equality: same steps, same floats
     straight = consolidated_state_dict(ckpt(zero2, 8), tmp_path)
@@ -149,6 +154,9 @@ def test_sigterm_to_one_rank_stops_every_rank_after_the_same_step(workdir, zero2
     assert "stopping after step 6 on another rank's signal" in log.read_text()  # rank 0 got none itself
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-00000004", "step-00000006"]
     run_normlab(fit_args(workdir, "sigterm", "zero2", "--ckpt_path", "last"), cwd=workdir)
+    # (from step 6: nothing superseded, nothing moved aside)
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-00000004", "step-00000006",
+                                                                        "step-00000008"]
     for tag in TAGS:
         assert scalars(run, tag) == scalars(zero2, tag), tag
     straight, again = (consolidated_state_dict(ckpt(r, 8), tmp_path) for r in (zero2, run))
@@ -177,10 +185,14 @@ def test_launcher_scripts_launch_two_processes(workdir, zero2, script):
     machine) start the reference's run, which logs the reference's losses bit for bit. (scripts/slurm.sbatch
     needs SLURM's srun: untested here.)"""
     name = f"script-{script.removesuffix('.sh')}"
-    args = fit_args(workdir, name, "zero2")[1:]  # the scripts run `fit` themselves
+    args = fit_args(workdir, name, "zero2")[1:]  # the scripts run `fit` themselves,
+    for flag in ("--trainer.strategy", "--trainer.devices"):  # and choose these (zero2, 2 processes without a GPU)
+        del args[args.index(flag):args.index(flag) + 2]
+    # the scripts call `python`, `torchrun` and `deepspeed`: those of the interpreter running the tests
+    path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
     proc = subprocess.run(["bash", str(REPO / "scripts" / script), *args], check=False, cwd=workdir,
                           capture_output=True, text=True, timeout=300,
-                          env=cpu_env(MASTER_PORT=str(free_port()), ACCELERATOR="cpu"))
+                          env=cpu_env(MASTER_PORT=str(free_port()), ACCELERATOR="cpu", PATH=path))
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     run = run_dir(workdir, name)
     assert json.loads((ckpt(run, 8) / "manifest.json").read_text())["world_size"] == 2

@@ -28,6 +28,8 @@ def test_single_process_exact_resume_and_run_layout(workdir, tmp_path):
     resumed = fit(workdir, "resumed", "interrupted.yaml")
     assert max(scalars(resumed, "train/loss")) == 6
     fit(workdir, "resumed", "probe.yaml", "--ckpt_path", "last")
+    # from step 4: a run that started over would have superseded it (moved aside into incomplete/)
+    assert sorted(p.name for p in (resumed / "checkpoints").iterdir()) == ["step-00000004", "step-00000008"]
 
     for tag in ("train/loss", "train/lr", "val/loss", "val/ppl", "probe/rng", "guard/loss_z"):
         assert scalars(resumed, tag) == scalars(straight, tag), tag
@@ -55,10 +57,16 @@ def test_single_process_exact_resume_and_run_layout(workdir, tmp_path):
                       str(workdir / "tiny"), "--runs_dir", str(workdir / "runs"), "--name", killed.name],
                      workdir, "pause_mid_shard@8", tmp_path / "paused")
     half = killed / "checkpoints" / ".tmp-step-00000008" / "model.ckpt"
-    assert 0 < half.stat().st_size < (ckpt / "model.ckpt").stat().st_size
+    half_size = half.stat().st_size
+    assert 0 < half_size < (ckpt / "model.ckpt").stat().st_size
     fit(workdir, killed.name, "probe.yaml", "--ckpt_path", "last")
     assert sorted(p.name for p in (killed / "checkpoints").iterdir()) == ["incomplete", "step-00000004",
                                                                            "step-00000008"]
+    # Only the torn save was moved aside, as it was (not re-used, overwritten or deleted); a resume that started
+    # over instead of from step 4 would have superseded step 4 too (moved aside as incomplete/step-00000004).
+    aside = killed / "checkpoints" / "incomplete"
+    assert sorted(p.name for p in aside.iterdir()) == ["step-00000008"]
+    assert (aside / "step-00000008" / "model.ckpt").stat().st_size == half_size
     again = consolidated_state_dict(killed / "checkpoints" / "step-00000008", tmp_path)
     assert all(torch.equal(final[0][k], again[k]) for k in final[0])
     assert scalars(killed, "train/loss") == scalars(straight, "train/loss")

@@ -1,6 +1,7 @@
 """Read back what a normlab run wrote: TensorBoard scalars and consolidated weights."""
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import torch
@@ -32,3 +33,10 @@ def consolidated_state_dict(ckpt_dir: Path, scratch: Path) -> dict[str, torch.Te
         out = Path(scratch) / f"{ckpt_dir.parent.parent.name}-{ckpt_dir.name}.pt"
         state = convert_zero_checkpoint_to_fp32_state_dict(str(ckpt_dir), str(out))["state_dict"]
     return {k.removeprefix("model."): v for k, v in state.items()}
+
+
+def table_value(output: str, tag: str) -> float:
+    """The number Lightning's results table (`normlab validate | test`) prints for `tag`: exactly one row."""
+    found = re.findall(rf"{re.escape(tag)}\W+([0-9][0-9.e+-]*)", output)
+    assert len(found) == 1, (tag, output[-3000:])
+    return float(found[0])

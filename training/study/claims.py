@@ -164,8 +164,8 @@ CLAIMS: tuple[Claim, ...] = (
                 kind="report"),
            Test("7e", "norms' share of a training step (torch.profiler), LayerNorm model", "norm_share",
                 "layernorm", kind="report")),
-          "Zhang & Sennrich's 7–64% savings are mainly RNN results; they call the overhead small for small, "
-          "shallow models. An op ratio measures kernels as much as algorithms."),
+          "Literature, not measured here: Zhang & Sennrich's 7–64% savings are mainly RNN results; they call "
+          "the overhead small for small, shallow models. An op ratio measures kernels as much as algorithms."),
     Claim(8, "In trained models the norm inputs are close to zero mean, so LayerNorm's centring changes little "
              "and RMSNorm can drop it.",
           "Zhang & Sennrich 2019 (re-centring is dispensable); the caution that the mean need not be zero",

@@ -9,6 +9,8 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+import torch
+
 from data.prepare import ensure_default_corpus
 from training.errors import UserError
 from training.study.claims import CLAIMS, Claim, select
@@ -60,6 +62,8 @@ def run_study(output: Path, quick: bool = False, claims: list[int] | None = None
     log.info("study: %d jobs for claims %s on %d process(es)", len(todo), [c.number for c in selected], jobs)
     results = run_jobs(todo, data_dir, scale, jobs)
     extra = main_process_measurements(selected, scale, data)
+    # Every measurement, before any judging: the report can be rebuilt from it (torch.load) without rerunning.
+    torch.save({"scale": scale, "results": results, "extra": extra}, output / "measurements.pt")
     judged = []
     for claim, roles in zip(selected, roles_of(selected, scale).values(), strict=True):
         ctx = Context(scale, roles, results, extra)

@@ -43,8 +43,11 @@ class Context:
 
 
 def probes(result: dict, spec: Spec) -> dict[str, float]:
-    """The probe scalars a statistic reads: at init, or after the last training step."""
-    return result["probes"] if isinstance(spec, AtInit) else result["probes"][spec.steps]
+    """The probe scalars a statistic reads: at init, or after the last training step — for a run that diverged,
+    its last probe before the loss became non-finite (the report marks the run 'diverged')."""
+    if isinstance(spec, AtInit):
+        return result["probes"]
+    return result["probes"][max(result["probes"])]
 
 
 def _per_seed(fn: Callable[[dict[str, float], int], float]) -> Callable[[Context, str], list[float]]:
@@ -119,7 +122,8 @@ def qk_gain(ctx: Context, role: str) -> list[float]:
 def _norm_input_stat(key: str) -> Callable[..., list[float]]:
     def stat(ctx: Context, role: str, reduce: str = "mean") -> list[float]:
         agg = max if reduce == "max" else statistics.fmean
-        return [agg(v[key] for v in r["norm_inputs"].values()) for r in ctx.runs(role)]
+        return [agg(v[key] for v in r["norm_inputs"].values()) if "norm_inputs" in r else math.nan
+                for r in ctx.runs(role)]
     return stat
 
 

@@ -135,7 +135,9 @@ def zero_mean(ctx: Context, ax_pair) -> None:
     for ax, key, label in zip(ax_pair, ("mean_over_rms", "ln_vs_rms"),
                               ("|mean| / RMS of the norm input", "‖LN(x) − RMSNorm(x)‖ / ‖RMSNorm(x)‖"), strict=True):
         for role in ("rmsnorm", "layernorm"):
-            runs = ctx.runs(role)
+            runs = [r for r in ctx.runs(role) if "norm_inputs" in r]
+            if not runs:
+                continue
             names = list(runs[0]["norm_inputs"])
             band(ax, range(len(names)), [[r["norm_inputs"][n][key] for n in names] for r in runs],
                  f"{role} model, trained", marker=".")

@@ -53,6 +53,8 @@ def test_norm_inputs_against_float64_references():
 @pytest.mark.parametrize("losses, diverged_at, expected", [
     ([7.0] * 5 + [6.0, 5.0, 4.0, 3.0, 2.0], None, "trains"),
     ([7.0, 6.3] + [6.3] * 8, None, "stalled"),  # flat from step 1: no progress after the first 20%
+    ([7.0, 6.3] + [6.27] * 8, None, "stalled"),  # 0.03 nats of progress: under the 0.1 bar
+    ([7.0, 6.3] + [6.15] * 8, None, "trains"),  # 0.15 nats
     ([7.0, 6.0, 7.5, 8.0, 9.0, 9.0, 9.0, 9.0, 9.0, 9.5], None, "diverged"),  # ends above the first loss
     ([7.0, 6.0], 2, "diverged"),  # non-finite
 ])

@@ -74,6 +74,7 @@ def _table_rows(report: str) -> dict[str, str]:
     return dict(re.findall(r"^\| (\d+)\. .*? \| \*\*(PASS|FAIL|INCONCLUSIVE)\*\* \|", report, flags=re.M))
 
 
+@pytest.mark.slow
 def test_quick_subset_in_process(tmp_path_factory):
     """`--claims 9,12` runs only those claims' jobs; the toy's numbers and the runs' final losses in the report
     are recomputed here from results.json."""

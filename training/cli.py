@@ -32,7 +32,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "export": ("training.export:main", "a checkpoint as a Hugging Face directory"),
     "generate": ("training.generate:main", "continue a prompt with a saved checkpoint"),
     "compare": ("training.compare:main", "a table of config differences and final metrics of runs, and a loss plot"),
-    "study": ("training.study:main", "the normalization study: a grid of small runs, plots and a report"),
+    "study": ("training.study:main", "the normalization study: claims tested over seeds, plots and a report"),
 }
 
 

@@ -1,0 +1,106 @@
+"""Claim 7's speed half, measured where it can be resolved: the norm ops timed like for like, and the norms'
+share of a training step read from `torch.profiler`.
+
+Whole-step timing cannot show a norm's cost at this size (the norms are a fraction of a percent of the FLOPs,
+and step times on a shared machine drift by tens of percent), and comparing a fused kernel of one norm with a
+composite of the other compares kernels, not algorithms. So each pair is the same kind of code: the two eager
+composites (what the formulas cost when written out in PyTorch), and the two native fused ATen ops
+(`F.rms_norm` and `F.layer_norm`). Candidates alternate within each round, so load hits both alike; each round
+gives one ratio, and the rounds are the samples.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from model import Transformer
+from model.kernels import reference
+from model.norms import Norm
+from training.study.grid import Arch, Scale
+
+EPS = 1e-5
+# Autograd nodes of the norm backward passes as they run by default on CPU: the fused C++ RMSNorm
+# (model.kernels.ops._Eager) and ATen's native LayerNorm.
+NORM_BACKWARD_NODES = ("_EagerBackward", "NativeLayerNormBackward", "RmsNormBackward")
+
+
+def composite_layer_norm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """(x − mean) / sqrt(var + eps) · w + b written out in eager PyTorch (the twin of reference.rms_norm)."""
+    mean = x.mean(-1, keepdim=True)
+    h = x - mean
+    return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + EPS) * w + b
+
+
+PAIRS: dict[str, tuple[Callable, Callable]] = {
+    "composite": (lambda x, w, b: reference.rms_norm(x, w, EPS), composite_layer_norm),
+    "native": (lambda x, w, b: F.rms_norm(x, x.shape[-1:], w, EPS),
+               lambda x, w, b: F.layer_norm(x, x.shape[-1:], w, b, EPS)),
+}
+
+
+def _time(fn: Callable, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, repeats: int) -> float:
+    t = time.perf_counter()
+    for _ in range(repeats):
+        fn(x, w, b).sum().backward()
+    return (time.perf_counter() - t) / repeats
+
+
+def op_ratios(shape: tuple[int, ...], rounds: int, repeats: int = 5) -> dict[str, list[float]]:
+    """Per pair, one forward+backward time ratio RMSNorm / LayerNorm per round (fp32, input of `shape`)."""
+    torch.manual_seed(0)
+    x = torch.randn(shape, requires_grad=True)
+    w, b = torch.ones(shape[-1], requires_grad=True), torch.zeros(shape[-1], requires_grad=True)
+    ratios: dict[str, list[float]] = {name: [] for name in PAIRS}
+    for r in range(rounds + 1):  # round 0 warms up
+        for name, (rms, ln) in PAIRS.items():
+            order = (rms, ln) if r % 2 else (ln, rms)
+            times = {fn: _time(fn, x, w, b, repeats) for fn in order}
+            if r:
+                ratios[name].append(times[rms] / times[ln])
+    return ratios
+
+
+def norm_share(arch: Arch, scale: Scale, vocab_size: int, tokens: torch.Tensor, steps: int = 5) -> list[float]:
+    """Per profiled training step of `arch`, the norms' share of its CPU time: forward norm calls (marked with
+    a profiler range by module hooks) plus their backward autograd nodes, over the step's range."""
+    torch.manual_seed(0)
+    model = Transformer(arch.config(scale, vocab_size))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    ranges: list = []
+
+    def enter(module, args, kwargs=None):
+        ranges.append(torch.autograd.profiler.record_function("study::norm_forward"))
+        ranges[-1].__enter__()
+
+    def leave(module, args, out):
+        ranges.pop().__exit__(None, None, None)
+
+    norms = [m for m in model.modules() if isinstance(m, Norm)]
+    handles = [h for m in norms for h in (m.register_forward_pre_hook(enter), m.register_forward_hook(leave))]
+
+    def step() -> None:
+        model(tokens[:, :-1], targets=tokens[:, 1:]).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    step()  # warm-up outside the profile
+    shares = []
+    try:
+        for _ in range(steps):
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                with torch.autograd.profiler.record_function("study::step"):
+                    step()
+            events = prof.events()
+            total = sum(e.cpu_time_total for e in events if e.name == "study::step")
+            fwd = sum(e.cpu_time_total for e in events if e.name == "study::norm_forward")
+            bwd = sum(e.cpu_time_total for e in events
+                      if e.name.startswith("autograd::engine::evaluate_function")
+                      and any(n in e.name for n in NORM_BACKWARD_NODES))
+            shares.append((fwd + bwd) / total)
+    finally:
+        for h in handles:
+            h.remove()
+    return shares

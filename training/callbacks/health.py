@@ -14,8 +14,7 @@ The same steps log outlier and sink telemetry (`outlier/*`, `attn/sink_mass*`: f
 the norm gains, gathered under ZeRO like the parameter norms) and, to TensorBoard's Images tab, a depth-profile
 figure (`profile/depth`, training/callbacks/depth_profile.py) of this step beside step 0. Step 0's profile is
 kept in memory and in the checkpoint (this callback's state), so a resumed run still draws it; a run resumed
-from a checkpoint written without it (or a branch whose step 0 was never profiled) draws the current step
-only and says so in the figure's title.
+from a checkpoint written without it draws the current step only and says so in the figure's title.
 """
 from __future__ import annotations
 
@@ -144,7 +143,7 @@ class TrainingHealth(Callback):
         self._values = {}
 
     def _param_stats(self, model: torch.nn.Module, deepspeed: bool) -> dict[str, float]:
-        """Per-block parameter norms and QK-norm gain statistics (gathered under ZeRO-3)."""
+        """Per-block parameter norms, QK-norm gain statistics and every norm's `norm/gain_*` (gathered under ZeRO)."""
         sq: dict[str, torch.Tensor] = {}
         out: dict[str, float] = {}
         gains = gain_tags(model)

@@ -14,14 +14,15 @@ import re
 
 import numpy as np
 
-# Panel title → the tag stems drawn in it (one line each), and whether a log scale suits it.
-PANELS: tuple[tuple[str, tuple[str, ...], bool], ...] = (
-    ("stream RMS entering block", ("resid/rms",), True),
-    ("update RMS / stream RMS", ("resid/update_ratio/attn", "resid/update_ratio/mlp"), True),
-    ("max attention logit", ("attn/max_logit",), False),
-    ("sink mass (key 0)", ("attn/sink_mass",), False),
+# Panel title → the tag stems drawn in it (one line each). Linear axes: at the depths normlab trains, the
+# profiles span about a decade, where a log axis would be left with one or no labelled tick.
+PANELS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("stream RMS entering block", ("resid/rms",)),
+    ("update RMS / stream RMS", ("resid/update_ratio/attn", "resid/update_ratio/mlp")),
+    ("max attention logit", ("attn/max_logit",)),
+    ("sink mass (key 0)", ("attn/sink_mass",)),
 )
-STEMS = tuple(stem for _, stems, _ in PANELS for stem in stems)
+STEMS = tuple(stem for _, stems in PANELS for stem in stems)
 _LAYER_TAG = re.compile(r"^(.*)/L(\d+)$")
 
 
@@ -50,7 +51,7 @@ def render(values: dict[str, float], step: int, initial: dict[str, float] | None
     fig = Figure(figsize=(11, 2.75), dpi=80)
     canvas = FigureCanvasAgg(fig)
     axes = fig.subplots(1, len(PANELS))
-    for ax, (title, stems, log_scale) in zip(axes, PANELS, strict=True):
+    for ax, (title, stems) in zip(axes, PANELS, strict=True):
         for i, stem in enumerate(stems):
             label = stem.rsplit("/", 1)[-1] if len(stems) > 1 else None
             color = f"C{i}"
@@ -61,8 +62,6 @@ def render(values: dict[str, float], step: int, initial: dict[str, float] | None
                 x0, y0 = _series(initial, stem)
                 if x0:
                     ax.plot(x0, y0, ls="--", marker=".", color=color, alpha=0.6, label=label and f"{label}, step 0")
-        if log_scale and all(v > 0 for stem in stems for v in _series(values, stem)[1]) and ax.has_data():
-            ax.set_yscale("log")
         ax.set_title(title, fontsize=9)
         ax.set_xlabel("layer", fontsize=8)
         ax.tick_params(labelsize=7)
@@ -71,6 +70,6 @@ def render(values: dict[str, float], step: int, initial: dict[str, float] | None
             ax.legend(fontsize=6)
     when = "solid: this step, dashed: step 0" if initial and step != 0 else initial_note if step else "step 0"
     fig.suptitle(f"depth profile at step {step} ({when})", fontsize=9)
-    fig.subplots_adjust(left=0.04, right=0.99, bottom=0.2, top=0.8, wspace=0.3)
+    fig.subplots_adjust(left=0.05, right=0.99, bottom=0.2, top=0.8, wspace=0.35)
     canvas.draw()
     return np.asarray(canvas.buffer_rgba())[..., :3].copy()

@@ -13,6 +13,12 @@ Tags: `resid/rms/L{l}` (stream entering block l), `resid/rms_out/L{l}` (leaving 
 relative contribution), `resid/read_rms/{attn,mlp}/L{l}` (what the sublayer reads, after its norm if any),
 `resid/final_in` (input to the final norm), and `attn/{max_prob,entropy,saturated_frac,max_logit}/L{l}` (mean
 over heads) with `attn/*_worst/L{l}` (the worst head). RMS values are means over tokens of each token's RMS.
+
+Outlier and sink telemetry (`stream_outliers`, `sink_mass`, `gain_stats`): `outlier/max_over_rms/L{l}` and
+`outlier/kurtosis/L{l}` (the stream entering block l; `.../final_in` the final norm's input), `attn/sink_mass/L{l}`
+(mean over heads; `attn/sink_mass_worst/L{l}` the largest head), and `norm/gain_mean/{role}/L{l}`,
+`norm/gain_max/{role}/L{l}` (`role`: attn_in, attn_out, mlp_in, mlp_out, q, k; `norm/gain_*/final`) from the
+parameters, outside the forward (`norm_gains`, or `gain_tags` + `gain_stats` where parameters are gathered).
 """
 from __future__ import annotations
 
@@ -24,7 +30,8 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from model.names import layer_index
+from model.names import layer_index, split_layer
+from model.norms import Norm
 
 
 def token_rms(x: torch.Tensor) -> torch.Tensor:
@@ -98,6 +105,95 @@ def _masked_stats(q_BHTD: torch.Tensor, k_BKTD: torch.Tensor, rows: torch.Tensor
     }
 
 
+def stream_outliers(x: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Outlier statistics of a residual stream x [..., D], as 0-d fp32 tensors.
+
+    `max_over_rms`: the largest |x| over all entries over the RMS of all entries — the "massive activations" of
+    Sun et al. 2024 are a few entries hundreds to thousands of times the typical size. `kurtosis`: the excess
+    kurtosis of each token's D features, E[(x − μ)⁴] / σ⁴ − 3 with μ, σ² that token's mean and (biased) variance,
+    averaged over tokens: 0 for Gaussian features, large when a few feature dimensions carry outliers. It is
+    per token, so tokens of different scale do not by themselves make it large. A token with zero variance
+    counts as 0.
+    """
+    x = x.detach().float().reshape(-1, x.shape[-1])  # [N, D]
+    top = x.abs().amax()
+    # Both statistics are scale-free: computed on x / max|x| and on standardized features, so an unnormalized
+    # stream of size 1e10 (norm: none at a high learning rate) does not overflow fp32's fourth powers.
+    max_over_rms = (x / top.clamp_min(1e-30)).pow(2).mean().rsqrt() if top > 0 else torch.zeros((), device=x.device)
+    centred = x - x.mean(-1, keepdim=True)
+    std = centred.pow(2).mean(-1, keepdim=True).sqrt()  # [N, 1]
+    z4 = (centred / std.clamp_min(1e-30)).pow(4).mean(-1)
+    kurt = torch.where(std.squeeze(-1) > 0, z4 - 3, 0.0)
+    return {"max_over_rms": max_over_rms, "kurtosis": kurt.mean()}
+
+
+def sink_mass(q_BHTD: torch.Tensor, k_BKTD: torch.Tensor, rows: torch.Tensor,
+              softcap: float | None = None, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention probability on the sink key (the "attention sink", Xiao et al. 2023) per head [H]: the mean over
+    the batch and the query positions `rows` of softmax(q·k/√D) at key 0, from post-RoPE q [B,H,T,D] and k
+    [B,K,T,D] with the causal mask (and, with `softcap`, the capped scores), as training computes it. Row 0 sees
+    only key 0 (probability 1 by construction) and is left out, as are rows past the sequence. With `doc_ids`
+    [B, T] (document masking) a row sees its own document only and its sink is that document's first token; a
+    document's first token sees only itself and is left out like row 0.
+    """
+    B, T = k_BKTD.shape[0], k_BKTD.shape[2]
+    rows = rows[(rows > 0) & (rows < T)]
+    if rows.numel() == 0:
+        raise ValueError("sink_mass needs at least one query row past position 0")
+    q = q_BHTD.detach().float()[:, :, rows]  # [B, H, R, D]
+    k = k_BKTD.detach().float().repeat_interleave(q.shape[1] // k_BKTD.shape[1], dim=1)  # GQA
+    scores = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])  # [B, H, R, T]
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    visible = (torch.arange(T, device=q.device)[None, :] <= rows[:, None]).expand(B, -1, -1)  # [B, R, T]
+    sink = torch.zeros(B, rows.numel(), dtype=torch.long, device=q.device)  # [B, R]: the sink key of each row
+    if doc_ids is not None:
+        same = doc_ids[:, rows, None] == doc_ids[:, None, :]  # [B, R, T]
+        visible = visible & same
+        sink = same.float().argmax(-1)  # the first key of the row's document (documents are contiguous)
+    valid = (visible.sum(-1) > 1).float()[:, None]  # [B, 1, R]: rows that see more than their sink
+    if not valid.any():
+        raise ValueError("sink_mass needs at least one query row that sees a key besides its sink")
+    log_z = scores.masked_fill(~visible[:, None], float("-inf")).logsumexp(-1)  # [B, H, R]
+    at_sink = scores.gather(-1, sink[:, None, :, None].expand(-1, scores.shape[1], -1, 1)).squeeze(-1)
+    return ((at_sink - log_z).exp() * valid).sum((0, 2)) / valid.sum((0, 2))
+
+
+def gain_tags(model: nn.Module) -> dict[str, tuple[str, bool]]:
+    """{parameter name: (tag suffix, offset)} for the gain γ of every norm in a `model.Transformer`: suffix
+    `{role}/L{l}` for a block's norm (`attn_in`, `attn_out`, `mlp_in`, `mlp_out`, QK-norm's `q`, `k`) or `final`;
+    `offset` when the stored weight w means a gain of 1 + w (RMSNorm with `norm_offset`). `norm: none` has none."""
+    out: dict[str, tuple[str, bool]] = {}
+    for name, module in model.named_modules():
+        if not isinstance(module, Norm) or not isinstance(getattr(module, "weight", None), nn.Parameter):
+            continue
+        parts = split_layer(name.replace("_orig_mod.", "") + ".")
+        if parts is None:
+            suffix = "final" if name.endswith("norm") else name.replace(".", "_")
+        else:
+            role = parts[2].rstrip(".").replace("_res.norm_", "_").removeprefix("attn.").removesuffix("_norm")
+            suffix = f"{role}/L{parts[1]}"
+        out[f"{name}.weight"] = (suffix, bool(getattr(module, "offset", False)))
+    return out
+
+
+def gain_stats(weight: torch.Tensor, suffix: str, offset: bool = False) -> dict[str, float]:
+    """`norm/gain_mean/{suffix}` and `norm/gain_max/{suffix}`: mean and max of |γ| over a norm's features, γ the
+    effective gain (1 + w for an offset norm)."""
+    gain = (weight.detach().float() + (1.0 if offset else 0.0)).abs()
+    mean, top = torch.stack([gain.mean(), gain.amax()]).tolist()
+    return {f"norm/gain_mean/{suffix}": mean, f"norm/gain_max/{suffix}": top}
+
+
+def norm_gains(model: nn.Module) -> dict[str, float]:
+    """`gain_stats` of every norm of a (not partitioned) `model.Transformer`."""
+    tags, out = gain_tags(model), {}
+    for name, p in model.named_parameters():
+        if name in tags:
+            out.update(gain_stats(p, *tags[name]))
+    return out
+
+
 class Recorder:
     """Collects probe values during one forward pass; `scalars()` turns them into {tag: float}."""
 
@@ -109,6 +205,11 @@ class Recorder:
     def block(self, layer: int, stream_in: torch.Tensor, stream_out: torch.Tensor) -> None:
         self.values[f"resid/rms/L{layer}"] = token_rms(stream_in)
         self.values[f"resid/rms_out/L{layer}"] = token_rms(stream_out)
+        self.outliers(f"L{layer}", stream_in)
+
+    def outliers(self, where: str, stream: torch.Tensor) -> None:
+        for key, value in stream_outliers(stream).items():
+            self.values[f"outlier/{key}/{where}"] = value
 
     def sublayer(self, layer: int, name: str, stream: torch.Tensor, read: torch.Tensor,
                  update: torch.Tensor) -> None:
@@ -119,6 +220,7 @@ class Recorder:
 
     def final(self, x: torch.Tensor) -> None:
         self.values["resid/final_in"] = token_rms(x)
+        self.outliers("final_in", x)
 
     # -- attention ---------------------------------------------------------------------------------
     def attention(self, layer: int, q_BHTD: torch.Tensor, k_BKTD: torch.Tensor,
@@ -134,6 +236,13 @@ class Recorder:
             self.values[f"attn/{key}/L{layer}"] = per_head.mean()
             worst = per_head.amin() if key == "entropy" else per_head.amax()
             self.values[f"attn/{key}_worst/L{layer}"] = worst
+        self.sink(layer, q_BHTD[:b], k_BKTD[:b], rows, softcap, doc_ids)
+
+    def sink(self, layer: int, q_BHTD: torch.Tensor, k_BKTD: torch.Tensor, rows: torch.Tensor,
+             softcap: float | None = None, doc_ids: torch.Tensor | None = None) -> None:
+        per_head = sink_mass(q_BHTD, k_BKTD, rows, softcap, doc_ids)
+        self.values[f"attn/sink_mass/L{layer}"] = per_head.mean()
+        self.values[f"attn/sink_mass_worst/L{layer}"] = per_head.amax()
 
     def scalars(self) -> dict[str, float]:
         if not self.values:

@@ -2,9 +2,12 @@
 """Cost of the training-health metrics: mean training-step time with metrics off and on, from one run.
 
 "On" means what `normlab fit` does at the default interval: every `--every` steps (and step 0) the forward runs
-with the probes' forward hooks attached (`model.probes.record`; softmax statistics on sampled query rows) and the
-per-layer gradient norms are read after backward; other steps run exactly as with metrics off. The two
-script times plain and metrics steps in back-to-back pairs and amortizes the difference over `--every` steps.
+with the probes' forward hooks attached (`model.probes.record`: residual RMS and update ratios, softmax
+statistics and sink mass on sampled query rows, the stream's max/RMS and kurtosis), the per-layer gradient norms
+and the norm gains are read after backward, and the depth-profile figure is rendered (matplotlib, Agg) as
+`TrainingHealth` does for TensorBoard's Images tab; other steps run exactly as with metrics off. The script
+times plain and metrics steps in back-to-back pairs and amortizes the difference over `--every` steps; it also
+reports the figure's rendering time alone.
 
     python scripts/bench_metrics.py                 # the default job's model (dim 256, 4 layers, seq 256, batch 8)
 """
@@ -21,7 +24,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from model import ModelConfig, Transformer  # noqa: E402
-from model.probes import grad_norms, record  # noqa: E402
+from model.probes import grad_norms, norm_gains, record  # noqa: E402
+from training.callbacks import depth_profile  # noqa: E402
 
 
 def main() -> None:
@@ -41,13 +45,22 @@ def main() -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     x = torch.randint(0, args.vocab, (args.batch, args.seq + 1))
 
+    profile0: dict[str, float] = {}
+    render_times: list[float] = []
+
     def step(probe: bool) -> None:
         if probe:
             with record(model) as rec:
                 loss = model(x[:, :-1], targets=x[:, 1:])
             loss.backward()
-            values = {**rec.scalars(), **grad_norms(model)}
-            assert values
+            values = {**rec.scalars(), **grad_norms(model), **norm_gains(model)}
+            profile = depth_profile.profile_values(values)
+            assert profile
+            t = time.perf_counter()
+            image = depth_profile.render(profile, 50, profile0 or profile)
+            render_times.append(time.perf_counter() - t)
+            assert image.size
+            profile0.update(profile0 or profile)
         else:
             model(x[:, :-1], targets=x[:, 1:]).backward()
         opt.step()
@@ -70,9 +83,10 @@ def main() -> None:
     base, added = statistics.median(plain), statistics.median(extra)
     overhead = added / (args.every * base)  # one metrics step per `every` steps
     print(f"model: dim {args.dim}, {args.layers} layers, seq {args.seq}, batch {args.batch}, vocab {args.vocab}; "
-          f"{torch.get_num_threads()} threads; {args.pairs} pairs")
+          f"{torch.get_num_threads()} threads; {args.pairs} pairs; load average {os.getloadavg()[0]:.1f}")
     print(f"median plain step {base * 1e3:.1f} ms; a metrics step adds {added * 1e3:.1f} ms "
           f"({added / base:+.1%} of one step)")
+    print(f"of which the depth-profile figure: median {statistics.median(render_times) * 1e3:.1f} ms to render")
     print(f"overhead at one metrics step every {args.every}: {overhead:+.2%} (target <= 2%)")
 
 

@@ -233,6 +233,10 @@ def test_layer_gradient_norms_agree_across_zero_stages(other, request, zero2):
     run = request.getfixturevalue(other)
     for tag in [f"grad/norm/L{l}" for l in range(N_LAYERS)] + ["grad/global", "grad/norm/tok_embeddings"]:
         assert scalars(run, tag)[0] == pytest.approx(scalars(zero2, tag)[0], rel=1e-5), tag
+    # Norm gains are parameters, gathered like the parameter norms (ZeRO-3 holds a shard of each): γ = 1 at init.
+    for tag in [f"norm/gain_{s}/{role}/L{l}" for s in ("mean", "max") for role in ("attn_in", "mlp_in")
+                for l in range(N_LAYERS)] + ["norm/gain_mean/final", "norm/gain_max/final"]:
+        assert scalars(run, tag)[0] == scalars(zero2, tag)[0] == 1.0, tag
     if other != "single":  # probes read rank 0's micro-batch, which a single process does not share
         assert scalars(run, "resid/rms/L1")[0] == pytest.approx(scalars(zero2, "resid/rms/L1")[0], rel=1e-5)
 
@@ -241,19 +245,23 @@ def test_health_metrics_and_layout_in_tensorboard(zero2):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     from tensorboard.plugins.custom_scalar import layout_pb2
 
-    acc = EventAccumulator(str(zero2), size_guidance={"scalars": 0, "tensors": 0})
+    acc = EventAccumulator(str(zero2), size_guidance={"scalars": 0, "tensors": 0, "images": 0})
     acc.Reload()
     tags = set(acc.Tags()["scalars"])
     per_layer = ["resid/rms", "resid/rms_out", "resid/update_ratio/attn", "resid/update_ratio/mlp",
                  "resid/read_rms/attn", "resid/read_rms/mlp", "attn/max_prob", "attn/entropy",
-                 "attn/saturated_frac", "attn/max_logit", "attn/max_logit_worst", "grad/norm", "param/norm"]
+                 "attn/saturated_frac", "attn/max_logit", "attn/max_logit_worst", "grad/norm", "param/norm",
+                 "outlier/max_over_rms", "outlier/kurtosis", "attn/sink_mass", "attn/sink_mass_worst",
+                 "norm/gain_mean/attn_in", "norm/gain_max/mlp_in"]
     missing = [f"{stem}/L{l}" for stem in per_layer for l in range(N_LAYERS) if f"{stem}/L{l}" not in tags]
     assert not missing, missing
     assert {"resid/final_in", "grad/global", "train/loss", "train/lr",
             "throughput/tokens_per_sec", "throughput/mfu", "val/loss", "val/ppl"} <= tags
     assert all(step == 0 for step in scalars(zero2, "attn/entropy/L0"))  # every 50 steps: only the init audit here
     layout = layout_pb2.Layout.FromString(acc.Tensors("custom_scalars__config__")[0].tensor_proto.string_val[0])
-    assert [c.title for c in layout.category] == ["Residual growth", "Softmax saturation", "Gradient flow"]
+    assert [c.title for c in layout.category] == ["Residual growth", "Softmax saturation", "Gradient flow",
+                                                  "Outliers"]
+    assert [e.step for e in acc.Images("profile/depth")] == [0]  # the depth profile, on the metrics step
 
 
 @pytest.mark.parametrize("stage", ["zero2", "zero3"])

@@ -9,6 +9,12 @@ rank in the same order: it is a collective). On other steps nothing is attached 
 
 The values are rank 0's (its micro-batch; gradients are already reduced over ranks) and go straight to the
 TensorBoard writer, with a custom-scalar layout that puts all layers of a metric in one chart.
+
+The same steps log outlier and sink telemetry (`outlier/*`, `attn/sink_mass*`: from the probes; `norm/gain_*`:
+the norm gains, gathered under ZeRO like the parameter norms) and, to TensorBoard's Images tab, a depth-profile
+figure (`profile/depth`, training/callbacks/depth_profile.py) of this step beside step 0. Step 0's profile is
+kept in memory and in the checkpoint (this callback's state), so a resumed run still draws it; a run resumed
+from a checkpoint written without it draws the current step only and says so in the figure's title.
 """
 from __future__ import annotations
 
@@ -19,7 +25,8 @@ import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 
 from model.names import split_layer
-from model.probes import grad_norms, record
+from model.probes import gain_stats, gain_tags, grad_norms, record
+from training.callbacks import depth_profile
 from training.strategy import is_deepspeed
 
 log = logging.getLogger(__name__)
@@ -47,7 +54,16 @@ LAYOUT = {
         "QK-norm gains (mean)": r"qk_gain/(q|k)/mean/L\d+",
         "skipped steps (guard)": r"guard/skipped_steps",
     },
+    "Outliers": {
+        "stream max |x| / RMS (massive activations)": r"outlier/max_over_rms/(L\d+|final_in)",
+        "stream excess kurtosis (per token, over features)": r"outlier/kurtosis/(L\d+|final_in)",
+        "attention sink: probability on key 0 (mean over heads)": r"attn/sink_mass/L\d+",
+        "sink mass, largest head": r"attn/sink_mass_worst/L\d+",
+        "norm gains: mean |γ|": r"norm/gain_mean/.+",
+        "norm gains: max |γ|": r"norm/gain_max/.+",
+    },
 }
+PROFILE_TAG = "profile/depth"  # the depth-profile image
 
 
 def _full_param(param: torch.nn.Parameter, deepspeed: bool) -> torch.Tensor:
@@ -69,6 +85,13 @@ class TrainingHealth(Callback):
         self.attn_rows, self.threshold = attn_rows, saturation_threshold
         self._probe = None  # the active `record(...)` context on a metrics step
         self._values: dict[str, float] = {}
+        self._profile0: dict[str, float] | None = None  # step 0's depth profile (kept in the checkpoint)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"profile0": dict(self._profile0)} if self._profile0 is not None else {}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._profile0 = state_dict.get("profile0")
 
     def _due(self, step: int, every: int) -> bool:
         return every > 0 and step % every == 0
@@ -112,16 +135,22 @@ class TrainingHealth(Callback):
         self._values.update(self._param_stats(model, deepspeed))
         if trainer.is_global_zero and trainer.logger is not None:
             trainer.logger.log_metrics(self._values, step=step)
+        if step == 0:
+            self._profile0 = depth_profile.profile_values(self._values)
+        self._log_profile(trainer, step)
         if self._due(step, self.histogram_every_n_steps):
             self._histograms(trainer, model, deepspeed, step)
         self._values = {}
 
     def _param_stats(self, model: torch.nn.Module, deepspeed: bool) -> dict[str, float]:
-        """Per-block parameter norms and QK-norm gain statistics (gathered under ZeRO-3)."""
+        """Per-block parameter norms, QK-norm gain statistics and every norm's `norm/gain_*` (gathered under ZeRO)."""
         sq: dict[str, torch.Tensor] = {}
         out: dict[str, float] = {}
+        gains = gain_tags(model)
         for name, p in model.named_parameters():
             full = _full_param(p, deepspeed).float()
+            if name in gains:
+                out.update(gain_stats(full, *gains[name]))
             block = split_layer(name)
             if block:
                 _, index, rest = block
@@ -134,6 +163,17 @@ class TrainingHealth(Callback):
                                 f"qk_gain/{tag % 'min'}": full.min().item()})
         out.update({k: v.sqrt().item() for k, v in sq.items()})
         return out
+
+    def _log_profile(self, trainer: Trainer, step: int) -> None:
+        """The depth-profile image of this metrics step (rank 0, TensorBoard only)."""
+        writer = self._writer(trainer)
+        if writer is None:
+            return
+        values = depth_profile.profile_values(self._values)
+        if not values:
+            return
+        image = depth_profile.render(values, step, self._profile0, initial_note="step 0 not in the checkpoint")
+        writer.add_image(PROFILE_TAG, image, step, dataformats="HWC")
 
     def _histograms(self, trainer: Trainer, model: torch.nn.Module, deepspeed: bool, step: int) -> None:
         writer = self._writer(trainer)

@@ -35,7 +35,7 @@ from data.datamodule import TokenDataModule  # noqa: E402
 from data.prepare import ensure_default_corpus  # noqa: E402
 from model import ModelConfig, Transformer  # noqa: E402
 from model.probes import record  # noqa: E402
-from training.optim import OptimConfig, build_optimizer  # noqa: E402
+from training.optim import OptimConfig, build_optimizer, plain_update  # noqa: E402
 
 # name → (ModelConfig overrides, z-loss weight): the plain model, QK-norm, and its three competitors at the
 # settings their papers use (PaLM's z-loss weight, Gemma 2's caps).
@@ -75,11 +75,7 @@ def train_one(name: str, args: argparse.Namespace, data: TokenDataModule, seed: 
         if not torch.isfinite(loss):
             diverged = step
             break
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        schedule.step()
-        opt.zero_grad(set_to_none=True)
+        plain_update(model, opt, schedule, loss)
         losses.append((loss - z).item())
         if (step + 1) % args.probe_every == 0 or step + 1 == args.steps:
             logits[step + 1] = max_logit(model, probe_batch)

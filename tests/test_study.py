@@ -14,6 +14,7 @@ from training.cli import main as normlab
 from training.study import main
 from training.study.claims import CLAIMS
 from training.study.measure import norm_inputs, outcome, toy_no_norm
+from training.study.timing import PAIRS, fused_rms_available, op_ratios
 
 
 def test_toy_reproduces_the_published_numbers():
@@ -48,6 +49,24 @@ def test_norm_inputs_against_float64_references():
         expected = _stats64(x)
         assert (got[name]["mean_over_rms"], got[name]["ln_vs_rms"]) == pytest.approx(expected, rel=1e-6)
     assert got["layers.0.attn_res.norm_in"]["mean_over_rms"] > 0.5
+
+
+def test_claim_7_times_like_for_like_pairs_of_the_same_math():
+    """Each timed pair computes RMSNorm and LayerNorm (against float64 formulas), the "fused" pair's RMSNorm is
+    normlab's fused C++ kernel (its own autograd node, not a composite's), and every pair is timed."""
+    torch.manual_seed(0)
+    x, w, b = torch.randn(3, 5, 48), torch.rand(48) + 0.5, torch.randn(48)
+    x64, w64, b64 = x.double(), w.double(), b.double()
+    rms = x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + 1e-5) * w64
+    ln = F.layer_norm(x64, (48,), w64, b64, 1e-5)
+    for name, (rms_fn, ln_fn) in PAIRS.items():
+        assert torch.allclose(rms_fn(x, w, b).double(), rms, atol=1e-5), name
+        assert torch.allclose(ln_fn(x, w, b).double(), ln, atol=1e-5), name
+    assert fused_rms_available()  # CI has a C++ compiler: the fused pair is measured
+    fused = PAIRS["fused"][0](x.requires_grad_(), w, b)
+    assert type(fused.grad_fn).__name__ == "_EagerBackward"  # model/kernels/ops.py, not a composite's Mul
+    ratios = op_ratios((2, 8, 32), rounds=2, repeats=1)
+    assert set(ratios) == set(PAIRS) and all(len(v) == 2 and all(r > 0 for r in v) for v in ratios.values())
 
 
 @pytest.mark.parametrize("losses, diverged_at, expected", [

@@ -145,3 +145,15 @@ def restart_schedule(schedule: torch.optim.lr_scheduler.LambdaLR, cfg: OptimConf
     schedule.base_lrs = [cfg.lr] * len(groups)
     schedule.last_epoch = step - 1
     schedule.step()  # → last_epoch = step: sets every group's lr (and get_last_lr) from the lambda
+
+
+def plain_update(model: nn.Module, optimizer: torch.optim.Optimizer, schedule: torch.optim.lr_scheduler.LRScheduler,
+                 loss: torch.Tensor, clip: float = 1.0) -> None:
+    """One update of a plain training loop (the study, the benchmarks: no Lightning): backward, clip the
+    gradient norm to `clip`, optimizer step, schedule step, clear the gradients — what `normlab fit` does per
+    update with `gradient_clip_val=clip` and no accumulation."""
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+    optimizer.step()
+    schedule.step()
+    optimizer.zero_grad(set_to_none=True)

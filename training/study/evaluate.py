@@ -141,7 +141,8 @@ STATISTICS: dict[str, Callable[..., list[float]]] = {
     "qk_gain": qk_gain,
     "mean_over_rms": _norm_input_stat("mean_over_rms"),
     "ln_vs_rms": _norm_input_stat("ln_vs_rms"),
-    "op_ratio": lambda ctx, role: ctx.extra["op_ratios"][role],
+    # (no "fused" pair where normlab's CPU RMSNorm could not be compiled: NaN, so INCONCLUSIVE)
+    "op_ratio": lambda ctx, role: ctx.extra["op_ratios"].get(role, [math.nan]),
     "norm_share": lambda ctx, role: ctx.extra["norm_share"][role],
     "toy": lambda ctx, role: [ctx.extra["toy"][24][0 if role == "plain" else 1]],
 }

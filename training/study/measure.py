@@ -17,7 +17,7 @@ import torch
 from model import Transformer
 from model.norms import Norm
 from model.probes import record
-from training.optim import OptimConfig, build_optimizer
+from training.optim import OptimConfig, build_optimizer, plain_update
 from training.study.grid import AtInit, Scale, Train
 
 PROBE_TAGS = ("resid/", "attn/max_logit/", "attn/saturated_frac/")
@@ -96,11 +96,7 @@ def train_run(spec: Train, seed: int, scale: Scale, batches: Iterator[torch.Tens
         if not torch.isfinite(loss):
             out["diverged_at"] = step
             break
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        schedule.step()
-        opt.zero_grad(set_to_none=True)
+        plain_update(model, opt, schedule, loss)
         out["losses"].append(loss.item())
     out["gains"] = qk_gains(model)
     out["seconds"] = time.perf_counter() - start

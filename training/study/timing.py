@@ -3,10 +3,13 @@ share of a training step read from `torch.profiler`.
 
 Whole-step timing cannot show a norm's cost at this size (the norms are a fraction of a percent of the FLOPs,
 and step times on a shared machine drift by tens of percent), and comparing a fused kernel of one norm with a
-composite of the other compares kernels, not algorithms. So each pair is the same kind of code: the two eager
-composites (what the formulas cost when written out in PyTorch), and the two native fused ATen ops
-(`F.rms_norm` and `F.layer_norm`). Candidates alternate within each round, so load hits both alike; each round
-gives one ratio, and the rounds are the samples.
+composite of the other compares kernels, not algorithms. So each judged pair is the same kind of code: the two
+eager composites (what the formulas cost when written out in PyTorch), and two fused single-pass C++ kernels —
+normlab's CPU RMSNorm (`model.kernels`, what training runs) and ATen's native `F.layer_norm`. `F.rms_norm` is
+timed too, against `F.layer_norm`, for context only: in torch 2.13 it is not fused on CPU (it decomposes into
+pow / mean / rsqrt / mul), so that ratio is a statement about ATen's CPU kernels, not about the algorithms.
+Candidates alternate within each round, so load hits both alike; each round gives one ratio, and the rounds are
+the samples.
 """
 from __future__ import annotations
 
@@ -16,7 +19,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from model import Transformer
+from model import Transformer, kernels
 from model.kernels import reference
 from model.norms import Norm
 from training.study.grid import Arch, Scale
@@ -34,11 +37,21 @@ def composite_layer_norm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> t
     return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + EPS) * w + b
 
 
+def _native_layer_norm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return F.layer_norm(x, x.shape[-1:], w, b, EPS)
+
+
 PAIRS: dict[str, tuple[Callable, Callable]] = {
     "composite": (lambda x, w, b: reference.rms_norm(x, w, EPS), composite_layer_norm),
-    "native": (lambda x, w, b: F.rms_norm(x, x.shape[-1:], w, EPS),
-               lambda x, w, b: F.layer_norm(x, x.shape[-1:], w, b, EPS)),
+    "fused": (lambda x, w, b: kernels.rms_norm(x, w, EPS), _native_layer_norm),
+    "aten": (lambda x, w, b: F.rms_norm(x, x.shape[-1:], w, EPS), _native_layer_norm),
 }
+
+
+def fused_rms_available() -> bool:
+    """Whether `kernels.rms_norm` runs normlab's fused C++ kernel here (it needs a C++ compiler; without one it
+    falls back to the composite and the "fused" pair would compare a composite with a fused kernel)."""
+    return kernels.cpu_rms.library() is not None
 
 
 def _time(fn: Callable, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, repeats: int) -> float:
@@ -53,9 +66,10 @@ def op_ratios(shape: tuple[int, ...], rounds: int, repeats: int = 5) -> dict[str
     torch.manual_seed(0)
     x = torch.randn(shape, requires_grad=True)
     w, b = torch.ones(shape[-1], requires_grad=True), torch.zeros(shape[-1], requires_grad=True)
-    ratios: dict[str, list[float]] = {name: [] for name in PAIRS}
+    pairs = {name: pair for name, pair in PAIRS.items() if name != "fused" or fused_rms_available()}
+    ratios: dict[str, list[float]] = {name: [] for name in pairs}
     for r in range(rounds + 1):  # round 0 warms up
-        for name, (rms, ln) in PAIRS.items():
+        for name, (rms, ln) in pairs.items():
             order = (rms, ln) if r % 2 else (ln, rms)
             times = {fn: _time(fn, x, w, b, repeats) for fn in order}
             if r:

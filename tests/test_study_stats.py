@@ -4,6 +4,7 @@ import math
 import statistics
 
 import pytest
+import scipy.stats as scipy_stats
 
 from training.study import claims as claims_module
 from training.study.evaluate import Context, judge
@@ -13,12 +14,10 @@ from training.study.stats import FAIL, INCONCLUSIVE, PASS, combine, difference, 
 
 @pytest.mark.parametrize("df", [1, 2, 4, 9, 17, 30])
 def test_t_quantiles_match_scipy(df):
-    scipy_stats = pytest.importorskip("scipy.stats")
     assert t975(df) == pytest.approx(scipy_stats.t.ppf(0.975, df), abs=5e-4)
 
 
 def test_estimate_and_welch_interval_match_scipy():
-    scipy_stats = pytest.importorskip("scipy.stats")
     a, b = [5.1, 5.3, 4.9, 5.2], [4.6, 4.9, 4.7]
     e = estimate(a)
     lo, hi = scipy_stats.t.interval(0.95, len(a) - 1, loc=statistics.fmean(a), scale=scipy_stats.sem(a))

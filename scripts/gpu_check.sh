@@ -5,7 +5,7 @@
 #
 # The GPU machine has no network: it runs the checkout with the machine's own torch and triton (PYTHONPATH),
 # plus the wheels carried in ./.whl (scripts/gpu_wheels.sh; installed by scripts/gpu_env.sh).
-# Budget: ~11 minutes in all, more than one device call may run (10 min): split it with STEPS, a space-separated
+# Budget: ~13 minutes in all, more than one device call may run (10 min): split it with STEPS, a space-separated
 # list of step names to run (default: all), e.g. STEPS="norms_env profile_350m loss_bench".
 # Each step has its own time limit and its own log ($OUT/<step>.txt); a
 # failing step is recorded in $OUT/summary.txt (appended to) and the next step still runs; the exit status is 1
@@ -76,6 +76,12 @@ step profile_350m 150 "$PY" scripts/profile_train.py --device cuda --dtype bfloa
   --heads 16 --seq 2048 --batch 8 --vocab 32768 --compile --steps 5 --out "$OUT/profile_350m_table.txt"
 step loss_bench 60 "$PY" scripts/bench_loss.py --device cuda --dtype bfloat16 --tokens 16384 --dim 1024 \
   --vocab 32768
+
+# ---- 7. document masking on CUDA: the compiled flex-attention path against per-document runs (it skips on CPU),
+# and its step cost against plain causal SDPA and the dense-mask SDPA fallback, at the 371M shape ----------------
+step docmask_cuda 150 bash -c "\"$PY\" -m pytest -q -ra -p no:cacheprovider tests/test_docmask_model.py && \
+  \"$PY\" scripts/bench_docmask.py --device cuda --dtype bfloat16 --dim 1024 --layers 24 --heads 16 --seq 2048 \
+  --batch 8 --vocab 32768"
 
 echo "=== done: failed=$FAILED; results in $OUT" | tee -a "$OUT/summary.txt"
 # The device tool brings back at most 8 files: with PACK=1 the step logs travel as one archive beside summary.txt.

@@ -31,16 +31,18 @@ FACTOR, THRESHOLD = 10.0, 20.0
 
 
 class RecordBatches(Callback):
-    """Writes {update number: its micro-batches [accumulate, B, T+1]} to `path` when training ends."""
+    """Writes {"tokens" (and under document masking "position_ids"): {update number: its micro-batches
+    [accumulate, B, T+1]}} to `path` when training ends."""
 
     def __init__(self, path: str) -> None:
         self.path, self.seen = path, {}
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        self.seen.setdefault(trainer.global_step + 1, []).append(batch.detach().clone())
+        for key, value in (batch if isinstance(batch, dict) else {"tokens": batch}).items():
+            self.seen.setdefault(key, {}).setdefault(trainer.global_step + 1, []).append(value.detach().clone())
 
     def on_train_end(self, trainer, pl_module) -> None:
-        torch.save({s: torch.stack(b) for s, b in self.seen.items()}, self.path)
+        torch.save({k: {s: torch.stack(b) for s, b in steps.items()} for k, steps in self.seen.items()}, self.path)
 
 
 def callbacks_config(tmp_path: Path, record: str) -> Path:
@@ -106,8 +108,8 @@ def test_a_spike_dumps_its_batch_gradient_and_update_norms(workdir, tmp_path, ca
     assert all(v < THRESHOLD for s, v in z.items() if s not in (4, 8, 12))
     assert log.count("loss spike at step") == 2 and f"{spikes / 'step-00000004'}" in log
 
-    batches = {**torch.load(tmp_path / "first.pt", weights_only=True),  # steps 1-6
-               **torch.load(tmp_path / "resumed.pt", weights_only=True)}  # steps 7-12
+    batches = {**torch.load(tmp_path / "first.pt", weights_only=True)["tokens"],  # steps 1-6
+               **torch.load(tmp_path / "resumed.pt", weights_only=True)["tokens"]}  # steps 7-12
     for step in (4, 8):
         dump = spikes / checkpoint.step_dirname(step)
         assert sorted(p.name for p in dump.iterdir()) == ["batch.safetensors", "spike.json"]
@@ -135,6 +137,20 @@ def test_a_spike_dumps_its_batch_gradient_and_update_norms(workdir, tmp_path, ca
             assert record["param_norm"][key] == pytest.approx(params[key], rel=1e-6), key
             assert record["update_ratio"][key] == pytest.approx(update[key] / params[key], rel=1e-6), key
         assert update["global"] > 0
+
+
+def test_a_document_masked_spike_dumps_the_positions_it_ran_at(workdir, tmp_path):
+    """Under data.document_mask the dump holds the step's position_ids beside its tokens (they mark the documents
+    the model masked attention to), as the datamodule yielded them."""
+    run = fit(workdir, "spiky-docs", tmp_path, "docs", "--data.document_mask", "true", "--trainer.max_steps", "4",
+              "--checkpoint.every_n_steps", "0")
+    tensors = load_file(run / "spikes" / "step-00000004" / "batch.safetensors")
+    seen = torch.load(tmp_path / "docs.pt", weights_only=True)
+    assert tensors.keys() == {"tokens", "position_ids", "losses"}
+    assert torch.equal(tensors["tokens"][0], seen["tokens"][4])
+    assert torch.equal(tensors["position_ids"][0], seen["position_ids"][4])
+    positions = tensors["position_ids"]
+    assert positions.shape == tensors["tokens"].shape and bool((positions[..., 0] == 0).all())  # windows start at 0
 
 
 def test_a_failed_dump_leaves_nothing_half_written_and_training_goes_on(workdir, tmp_path, capsys):

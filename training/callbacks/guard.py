@@ -51,7 +51,6 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 
 from model.names import layer_index
 from training.callbacks.spikes import SpikeRecorder
-from training.lit_module import split_batch
 from training.strategy import is_deepspeed
 
 log = logging.getLogger(__name__)
@@ -123,7 +122,7 @@ class NonFiniteGuard(Callback):
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         if self._spikes.enabled:
-            self._spikes.observe_batch(split_batch(batch)[0], batch_idx % trainer.accumulate_grad_batches == 0)
+            self._spikes.observe_batch(batch, batch_idx % trainer.accumulate_grad_batches == 0)
 
     def on_before_backward(self, trainer: Trainer, pl_module: LightningModule, loss: torch.Tensor) -> None:
         self._step_losses.append(loss.detach())

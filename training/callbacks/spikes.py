@@ -7,8 +7,9 @@ always whole; at most `guard.max_dumps` are written per run directory (the ones 
 starts of the run, up to the step it resumed at, count). It holds:
 
 - `batch.safetensors`: `tokens`, int64 [world_size, accumulate_grad_batches, batch_size, seq_len + 1] — every
-  micro-batch of the step on every rank (inputs `[..., :-1]`, targets `[..., 1:]`); `losses`, fp32
-  [world_size, accumulate_grad_batches] — each micro-batch's training loss;
+  micro-batch of the step on every rank (inputs `[..., :-1]`, targets `[..., 1:]`); under `data.document_mask`
+  also `position_ids`, int64, the same shape (the positions the model ran at: they mark the documents);
+  `losses`, fp32 [world_size, accumulate_grad_batches] — each micro-batch's training loss;
 - `spike.json`: `step`, `loss` (the step's training loss, mean over micro-batches and ranks), `z`,
   `threshold`, `window` (size, mean and standard deviation of the earlier losses the z-score is against), `lr`
   (of the update), `tokens_seen` (before the step), `world_size`, `accumulate_grad_batches`, `applied` (false
@@ -97,7 +98,7 @@ class SpikeRecorder:
     def __init__(self, threshold: float | None, max_dumps: int) -> None:
         self.threshold, self.max_dumps = threshold, max_dumps
         self.dumps = 0
-        self._batches: list[torch.Tensor] = []  # this step's micro-batches (references, no copies)
+        self._batches: list[dict[str, torch.Tensor]] = []  # this step's micro-batches (references, no copies)
         self._losses: list[torch.Tensor] = []
         self._pending: dict[str, Any] | None = None  # a dump taken before the optimizer step
 
@@ -111,10 +112,13 @@ class SpikeRecorder:
             found = dumps_in(trainer.default_root_dir, trainer.global_step) if trainer.is_global_zero else 0
             self.dumps = int(trainer.strategy.broadcast(found))
 
-    def observe_batch(self, batch: torch.Tensor, first_micro_batch: bool) -> None:
+    def observe_batch(self, batch: torch.Tensor | dict[str, torch.Tensor], first_micro_batch: bool) -> None:
+        """A micro-batch as the datamodule yields it: token ids [B, T+1], or under document masking the dict
+        `{"tokens", "position_ids"}`."""
         if first_micro_batch:
             self._batches, self._losses = [], []
-        self._batches.append(batch.detach())
+        batch = batch if isinstance(batch, dict) else {"tokens": batch}
+        self._batches.append({k: v.detach() for k, v in batch.items()})
 
     def observe_loss(self, loss: torch.Tensor, accumulate: int) -> None:
         self._losses.append(loss.detach().float() * accumulate)  # Lightning divided it by the accumulation
@@ -133,13 +137,15 @@ class SpikeRecorder:
 
             grad_of = safe_get_full_grad
         grads = grad_norms(pl_module.model, grad_of) if grad_of else grad_norms(pl_module.model)
-        tokens = gather_objects(torch.stack(self._batches).cpu())  # [accumulate, B, T+1] per rank
+        # per key, [ranks, accumulate, B, T+1]: every rank's micro-batches
+        arrays = {key: torch.stack(gather_objects(torch.stack([b[key] for b in self._batches]).cpu()))
+                  for key in self._batches[0]}
         losses = gather_objects(torch.stack(self._losses).cpu() if self._losses else torch.zeros(0))
         accumulate = trainer.accumulate_grad_batches
         mean = sum(window) / len(window) if window else 0.0
         std = math.sqrt(sum((x - mean) ** 2 for x in window) / (len(window) - 1)) if len(window) > 1 else 0.0
         self._pending = {
-            "before": _full_weights(pl_module, deepspeed), "tokens": torch.stack(tokens), "losses": torch.stack(losses),
+            "before": _full_weights(pl_module, deepspeed), "arrays": arrays, "losses": torch.stack(losses),
             "record": {
                 "step": step, "loss": loss * accumulate, "z": z, "threshold": self.threshold,
                 "window": {"size": len(window), "mean": mean * accumulate, "std": std * accumulate},
@@ -165,9 +171,10 @@ class SpikeRecorder:
         record["update_ratio"] = {k: v / record["param_norm"][k] if record["param_norm"][k] else 0.0
                                   for k, v in record["update_norm"].items()}
         if trainer.is_global_zero:
-            self._write(Path(trainer.default_root_dir), record, pending["tokens"], pending["losses"])
+            self._write(Path(trainer.default_root_dir), record, pending["arrays"], pending["losses"])
 
-    def _write(self, run_dir: Path, record: dict[str, Any], tokens: torch.Tensor, losses: torch.Tensor) -> None:
+    def _write(self, run_dir: Path, record: dict[str, Any], arrays: dict[str, torch.Tensor],
+               losses: torch.Tensor) -> None:
         from safetensors.torch import save_file
 
         root = run_dir / SPIKES_DIR
@@ -177,7 +184,8 @@ class SpikeRecorder:
             root.mkdir(parents=True, exist_ok=True)
             shutil.rmtree(tmp, ignore_errors=True)  # a leftover of an interrupted dump
             tmp.mkdir()
-            save_file({"tokens": tokens.contiguous(), "losses": losses.float().contiguous()}, str(tmp / BATCH_FILE))
+            save_file({**{k: v.contiguous() for k, v in arrays.items()}, "losses": losses.float().contiguous()},
+                      str(tmp / BATCH_FILE))
             with open(tmp / SPIKE_FILE, "w") as f:
                 f.write(json.dumps(record, indent=2) + "\n")
                 f.flush()

@@ -13,8 +13,11 @@ the samples.
 """
 from __future__ import annotations
 
+import contextlib
+import os
+import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -77,6 +80,22 @@ def op_ratios(shape: tuple[int, ...], rounds: int, repeats: int = 5) -> dict[str
     return ratios
 
 
+@contextlib.contextmanager
+def _native_stderr_silenced() -> Iterator[None]:
+    """File descriptor 2 to /dev/null for the block: torch 2.13's profiler (Kineto) writes two `USDT: ...
+    profiler_start / profiler_stop` lines per profile from C++ straight to it, noise in the study's console that
+    no environment variable turns off. Python's own `sys.stderr` is flushed first and restored after."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as devnull:
+            os.dup2(devnull.fileno(), 2)
+            yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
 def norm_share(arch: Arch, scale: Scale, vocab_size: int, tokens: torch.Tensor, steps: int = 5) -> list[float]:
     """Per profiled training step of `arch`, the norms' share of its CPU time: forward norm calls (marked with
     a profiler range by module hooks) plus their backward autograd nodes, over the step's range."""
@@ -104,7 +123,8 @@ def norm_share(arch: Arch, scale: Scale, vocab_size: int, tokens: torch.Tensor, 
     shares = []
     try:
         for _ in range(steps):
-            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            with _native_stderr_silenced(), torch.profiler.profile(
+                    activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
                 with torch.autograd.profiler.record_function("study::step"):
                     step()
             events = prof.events()

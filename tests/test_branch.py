@@ -132,8 +132,14 @@ def test_a_cooldown_branch_starts_from_the_parent_with_its_own_schedule(workdir,
     config = yaml.safe_load((ckpt(cool, 8) / "config.yaml").read_text())
     assert config["branch_from"] == str(parent) and config["ckpt_path"] == "last"
 
-    # The same command again resumes the branch (from its own step 8), still recording the parent.
-    fit(workdir, "cool", *args, "--trainer.max_steps", "10")
+    # The same command again resumes the branch (from its own step 8), still recording the parent — also when the
+    # parent's checkpoint is gone by then (a trunk's keep_last_n rotation): a resumed branch never reads it.
+    aside = parent.with_name(parent.name + ".aside")
+    parent.rename(aside)
+    try:
+        fit(workdir, "cool", *args, "--trainer.max_steps", "10")
+    finally:
+        aside.rename(parent)
     assert checkpoint.read_manifest(ckpt(cool, 10))["branched_from"] == record
     assert sorted(scalars(cool, "train/lr")) == [5, 6, 7, 8, 9, 10]
     # ... but not with another parent.

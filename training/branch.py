@@ -75,9 +75,7 @@ class Parent:
 def resolve_parent(branch_from: str) -> Parent:
     """`--branch_from` → the parent checkpoint, whole (every file its manifest lists, at its size); a step
     directory, or the `model.ckpt` inside one."""
-    path = Path(branch_from)
-    if path.is_file() and path.name == LIGHTNING_FILE:
-        path = path.parent
+    path = _step_dir(branch_from)
     where = f"--branch_from {branch_from}"
     if not path.exists():
         raise CheckpointError(f"{where}: no such checkpoint; give a complete step directory of another run "
@@ -95,11 +93,18 @@ def resolve_parent(branch_from: str) -> Parent:
     return Parent(path.resolve(), manifest)
 
 
+def _step_dir(branch_from: str) -> Path:
+    """The step directory `--branch_from` names (it may also name the `model.ckpt` inside one)."""
+    path = Path(branch_from)
+    return path.parent if path.name == LIGHTNING_FILE else path
+
+
 def check_lineage(branch_from: str, resumed_manifest: dict[str, Any], run_dir: str | Path) -> None:
-    """`--branch_from X --ckpt_path last` on a branch that has checkpoints: they must have branched from X."""
-    parent = resolve_parent(branch_from)
+    """`--branch_from X --ckpt_path last` on a branch that has checkpoints: they must have branched from X. Only the
+    recorded path is compared: a resumed branch never reads its parent again, which may be gone by then (the
+    trunk's `keep_last_n` rotation)."""
     recorded = resumed_manifest.get(MANIFEST_KEY) or {}
-    if recorded.get("checkpoint") != str(parent.ckpt_dir):
+    if recorded.get("checkpoint") != str(_step_dir(branch_from).resolve()):
         origin = f"branched from {recorded['checkpoint']}" if recorded else "is not a branch"
         raise CheckpointError(f"--branch_from {branch_from} --ckpt_path last: {run_dir} already holds checkpoints of "
                               f"a run that {origin}; resume it without --branch_from, or branch into a new --name")

@@ -97,9 +97,10 @@ def window_positions(document_starts: np.ndarray, starts: np.ndarray, length: in
 
     ``document_starts``: ascending token offsets where documents begin (``data.meta.document_starts``).
     """
-    bounds = np.concatenate([[0], np.asarray(document_starts, dtype=np.int64)])  # (0 first: never before one)
+    bounds = np.asarray(document_starts, dtype=np.int64)  # (no copy of the split's index, on every batch)
     index = np.asarray(starts, dtype=np.int64)[:, None] + np.arange(length, dtype=np.int64)  # [N, length]
-    first = bounds[np.searchsorted(bounds, index, side="right") - 1]  # start of each token's document
+    k = np.searchsorted(bounds, index, side="right") - 1  # the last document start at or before each token
+    first = np.where(k >= 0, bounds[np.maximum(k, 0)], 0) if bounds.size else np.zeros_like(index)  # (none: 0)
     return index - np.maximum(first, index[:, :1])
 
 

@@ -30,6 +30,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from model.attention import visible_keys
 from model.names import layer_index, split_layer
 from model.norms import Norm
 
@@ -85,8 +86,7 @@ def _masked_stats(q_BHTD: torch.Tensor, k_BKTD: torch.Tensor, rows: torch.Tensor
     H, K, D = q.shape[1], k.shape[1], q.shape[-1]
     k = k.repeat_interleave(H // K, dim=1)
     logits = q @ k.transpose(-1, -2) / math.sqrt(D)  # [B, H, R, T]
-    causal = torch.arange(k.shape[2], device=q.device)[None, :] <= rows[:, None]  # [R, T]
-    visible = (doc_ids[:, rows, None] == doc_ids[:, None, :]) & causal  # [B, R, T]
+    visible = visible_keys(doc_ids)[:, rows]  # [B, R, T]: the sampled rows of training's own mask
     counts = visible.sum(-1)  # [B, R]
     valid = counts > 1  # a document's first token sees only itself: saturated by construction
     if not valid.any():
@@ -145,12 +145,11 @@ def sink_mass(q_BHTD: torch.Tensor, k_BKTD: torch.Tensor, rows: torch.Tensor,
     scores = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])  # [B, H, R, T]
     if softcap is not None:
         scores = softcap * torch.tanh(scores / softcap)
-    visible = (torch.arange(T, device=q.device)[None, :] <= rows[:, None]).expand(B, -1, -1)  # [B, R, T]
-    sink = torch.zeros(B, rows.numel(), dtype=torch.long, device=q.device)  # [B, R]: the sink key of each row
-    if doc_ids is not None:
-        same = doc_ids[:, rows, None] == doc_ids[:, None, :]  # [B, R, T]
-        visible = visible & same
-        sink = same.float().argmax(-1)  # the first key of the row's document (documents are contiguous)
+    if doc_ids is None:
+        visible = (torch.arange(T, device=q.device)[None, :] <= rows[:, None]).expand(B, -1, -1)  # [B, R, T]
+    else:
+        visible = visible_keys(doc_ids)[:, rows]  # [B, R, T]: the sampled rows of training's own mask
+    sink = visible.float().argmax(-1)  # [B, R]: the first key a row sees — 0, or its document's first token
     valid = (visible.sum(-1) > 1).float()[:, None]  # [B, 1, R]: rows that see more than their sink
     if not valid.any():
         raise ValueError("sink_mass needs at least one query row that sees a key besides its sink")

@@ -67,13 +67,6 @@ class MixtureSampler:
         return source, starts
 
 
-def mixture_batch(
-    tokens: Sequence[np.ndarray], sampler: MixtureSampler, samples: np.ndarray
-) -> np.ndarray:
-    """The windows [len(samples), seq_len + 1] of the given global samples, gathered from their sources."""
-    return _mixture_windows(tokens, sampler, samples, None)[0]
-
-
 def _mixture_windows(
     tokens: Sequence[np.ndarray], sampler: MixtureSampler, samples: np.ndarray,
     document_starts: Sequence[np.ndarray] | None,

@@ -57,13 +57,13 @@ def _per_seed(fn: Callable[[dict[str, float], int], float]) -> Callable[[Context
     return stat
 
 
-def _stream(p: dict[str, float], layers: int) -> list[float]:
+def stream_profile(p: dict[str, float], layers: int) -> list[float]:
     """Stream RMS after 1..L blocks."""
     return [p[f"resid/rms/L{l}"] for l in range(1, layers)] + [p["resid/final_in"]]
 
 
 def _growth_slope(p: dict[str, float], layers: int) -> float:
-    return slope([math.log(l) for l in range(1, layers + 1)], [math.log(x) for x in _stream(p, layers)])
+    return slope([math.log(l) for l in range(1, layers + 1)], [math.log(x) for x in stream_profile(p, layers)])
 
 
 def _log_growth(p: dict[str, float], layers: int) -> float:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
-from training.study.evaluate import Context, probes
+from training.study.evaluate import Context, probes, stream_profile
 from training.study.measure import final_loss
 
 SMOOTH = 10  # steps of the moving average over training losses
@@ -53,14 +53,10 @@ def _profile(ctx: Context, role: str, key: Callable[[dict, int], list[float]]) -
     return list(range(1, len(per_seed[0]) + 1)), per_seed
 
 
-def _stream(p: dict, L: int) -> list[float]:
-    return [p[f"resid/rms/L{l}"] for l in range(1, L)] + [p["resid/final_in"]]
-
-
 def residual_growth(ctx: Context, ax_pair) -> None:
     for ax, when in zip(ax_pair, ("init", "trained"), strict=True):
         for init in ("normal", "scaled", "depth"):
-            x, ys = _profile(ctx, f"{when}-{init}", _stream)
+            x, ys = _profile(ctx, f"{when}-{init}", stream_profile)
             band(ax, x, ys, f"init {init}", marker=".")
         ax.set(xlabel="blocks applied (last point: final-norm input)", ylabel="stream RMS (linear)",
                title=f"pre-norm RMSNorm, {ctx.spec('init-normal').arch.layers} layers, "

@@ -6,17 +6,12 @@ import math
 from collections import Counter
 from pathlib import Path
 
+from training.checkpoint import write_text_atomic
 from training.study.claims import Claim
 from training.study.evaluate import Context, Outcome
 from training.study.grid import AtInit, Scale, Train
 from training.study.measure import final_loss, outcome
 from training.study.stats import estimate
-
-
-def _write(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
 
 
 def _role_rows(ctx: Context) -> list[str]:
@@ -82,7 +77,7 @@ def write_report(out: Path, scale: Scale, judged: list[tuple[Claim, str, list[Ou
     lines.append("")
     for claim, verdict, outcomes, ctx, plot in judged:
         lines += claim_section(claim, verdict, outcomes, ctx, plot)
-    _write(out / "report.md", "\n".join(lines))
+    write_text_atomic(out / "report.md", "\n".join(lines))
 
 
 def write_results(out: Path, judged: list, results: dict, header: dict) -> None:
@@ -100,4 +95,4 @@ def write_results(out: Path, judged: list, results: dict, header: dict) -> None:
                     "b": vars(o.b) if o.b else None, "diff": vars(o.diff) if o.diff else None} for o in outs]}
         for c, v, outs, _, _ in judged],
         "runs": [{**spec_json(spec), "seeds": [seed_json(spec, r) for r in runs]} for spec, runs in results.items()]}
-    _write(out / "results.json", json.dumps(doc, indent=1, default=str))
+    write_text_atomic(out / "results.json", json.dumps(doc, indent=1, default=str))

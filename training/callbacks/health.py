@@ -27,6 +27,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from model.names import split_layer
 from model.probes import gain_stats, gain_tags, grad_norms, record
 from training.callbacks import depth_profile
+from training.distributed import full_param
 from training.strategy import is_deepspeed
 
 log = logging.getLogger(__name__)
@@ -64,16 +65,6 @@ LAYOUT = {
     },
 }
 PROFILE_TAG = "profile/depth"  # the depth-profile image
-
-
-def _full_param(param: torch.nn.Parameter, deepspeed: bool) -> torch.Tensor:
-    if deepspeed:
-        from deepspeed.utils import safe_get_full_fp32_param
-
-        full = safe_get_full_fp32_param(param)
-        if full is not None:
-            return full
-    return param.detach()
 
 
 class TrainingHealth(Callback):
@@ -148,7 +139,7 @@ class TrainingHealth(Callback):
         out: dict[str, float] = {}
         gains = gain_tags(model)
         for name, p in model.named_parameters():
-            full = _full_param(p, deepspeed).float()
+            full = full_param(p, deepspeed).float()
             if name in gains:
                 out.update(gain_stats(full, *gains[name]))
             block = split_layer(name)
@@ -179,7 +170,7 @@ class TrainingHealth(Callback):
         writer = self._writer(trainer)
         for name, p in model.named_parameters():
             if "norm" in name:  # gains: where normalization's learned scale goes
-                full = _full_param(p, deepspeed)
+                full = full_param(p, deepspeed)
                 if writer is not None:
                     writer.add_histogram(f"hist/{name}", full.float().cpu(), step)
 

@@ -47,7 +47,7 @@ from lightning.pytorch import LightningModule, Trainer
 from model.names import layer_index
 from model.probes import grad_norms
 from training.checkpoint import TMP_PREFIX, fsync_path, step_dirname
-from training.distributed import gather_objects
+from training.distributed import full_param, gather_objects
 from training.strategy import is_deepspeed
 
 log = logging.getLogger(__name__)
@@ -65,15 +65,8 @@ def group_of(name: str) -> str:
 
 def _full_weights(pl_module: LightningModule, deepspeed: bool) -> dict[str, torch.Tensor]:
     """Every parameter of the model in full fp32, copied to host memory (under ZeRO: a collective)."""
-    out = {}
-    for name, p in pl_module.model.named_parameters():
-        full = None
-        if deepspeed:
-            from deepspeed.utils import safe_get_full_fp32_param
-
-            full = safe_get_full_fp32_param(p)
-        out[name] = (p.detach() if full is None else full).float().to("cpu", copy=True)
-    return out
+    return {name: full_param(p, deepspeed).float().to("cpu", copy=True)
+            for name, p in pl_module.model.named_parameters()}
 
 
 def _norms(tensors: dict[str, torch.Tensor]) -> dict[str, float]:

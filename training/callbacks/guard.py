@@ -42,7 +42,6 @@ Step numbers are update numbers, as in TensorBoard: the update computed while `g
 from __future__ import annotations
 
 import logging
-import math
 from collections import deque
 from typing import Any
 
@@ -50,7 +49,7 @@ import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 
 from model.names import layer_index
-from training.callbacks.spikes import SpikeRecorder
+from training.callbacks.spikes import SpikeRecorder, mean_and_std
 from training.strategy import is_deepspeed
 
 log = logging.getLogger(__name__)
@@ -247,8 +246,7 @@ class NonFiniteGuard(Callback):
     def _zscore(self, loss: float) -> float:
         if len(self._losses) < 2:
             return 0.0
-        mean = sum(self._losses) / len(self._losses)
-        std = math.sqrt(sum((x - mean) ** 2 for x in self._losses) / (len(self._losses) - 1))
+        mean, std = mean_and_std(list(self._losses))
         return (loss - mean) / std if std > 0 else 0.0
 
     @staticmethod

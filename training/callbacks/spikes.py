@@ -57,6 +57,14 @@ BATCH_FILE, SPIKE_FILE = "batch.safetensors", "spike.json"
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
 
 
+def mean_and_std(values: list[float]) -> tuple[float, float]:
+    """Mean and sample standard deviation of `values` (0 where there are too few): the guard's loss window, whose
+    z-score the dumps record."""
+    mean = sum(values) / len(values) if values else 0.0
+    std = math.sqrt(sum((x - mean) ** 2 for x in values) / (len(values) - 1)) if len(values) > 1 else 0.0
+    return mean, std
+
+
 def group_of(name: str) -> str:
     """`L{i}` for a parameter of block i, else the top-level module (`tok_embeddings`, `norm`, `output`)."""
     index = layer_index(name)
@@ -135,8 +143,7 @@ class SpikeRecorder:
                   for key in self._batches[0]}
         losses = gather_objects(torch.stack(self._losses).cpu() if self._losses else torch.zeros(0))
         accumulate = trainer.accumulate_grad_batches
-        mean = sum(window) / len(window) if window else 0.0
-        std = math.sqrt(sum((x - mean) ** 2 for x in window) / (len(window) - 1)) if len(window) > 1 else 0.0
+        mean, std = mean_and_std(window)
         self._pending = {
             "before": _full_weights(pl_module, deepspeed), "arrays": arrays, "losses": torch.stack(losses),
             "record": {

@@ -16,7 +16,7 @@ a mixture: the weighted mean over its sources' validation splits).
 
 ``document_mask``: every batch (train and validation) is a dict ``{"tokens": [B, seq_len + 1], "position_ids":
 [B, seq_len + 1]}``, the positions counted from each document's start within the window (read from the
-directory's document index, ``data.meta.document_starts``); the model attends within documents only.
+directory's document index, ``data.layout.document_starts``); the model attends within documents only.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
-from data import meta as layout
+from data import layout
 from data.dataset import TrainBatches, ValBatches, check_enough_tokens
 from data.errors import DataError
 from data.mixture import MixtureBatches

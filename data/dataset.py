@@ -95,7 +95,7 @@ def window_positions(document_starts: np.ndarray, starts: np.ndarray, length: in
     [len(starts), length]: 0 at every document start and at the window start (a document cut by the window
     begins there, as the model cannot see its earlier part), counting up by one per token.
 
-    ``document_starts``: ascending token offsets where documents begin (``data.meta.document_starts``).
+    ``document_starts``: ascending token offsets where documents begin (``data.layout.document_starts``).
     """
     bounds = np.asarray(document_starts, dtype=np.int64)  # (no copy of the split's index, on every batch)
     index = np.asarray(starts, dtype=np.int64)[:, None] + np.arange(length, dtype=np.int64)  # [N, length]

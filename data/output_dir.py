@@ -22,7 +22,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from data import meta as layout
+from data import layout
 from data.errors import DataError
 
 logger = logging.getLogger(__name__)

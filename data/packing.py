@@ -2,7 +2,7 @@
 
 Each document becomes its tokens followed by EOS (so documents are separated by EOS); empty documents are
 dropped. ``<split>.idx`` records where each document starts (int64 token offsets into ``<split>.bin``, see
-:func:`data.meta.document_starts`).
+:func:`data.layout.document_starts`).
 
 A document goes to the validation split when a keyed hash of its index in the input stream falls below
 ``val_fraction``: decided per document, without seeing the rest of the corpus, and independent of
@@ -32,7 +32,7 @@ import numpy as np
 
 from data import rng
 from data.errors import DataError
-from data.meta import IDX_DTYPE, SPLITS, index_file, split_file
+from data.layout import IDX_DTYPE, SPLITS, index_file, split_file
 from data.tokenizer import Tokenizer, open_tokenizer
 
 logger = logging.getLogger(__name__)

@@ -27,8 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from data import meta as layout
-from data import output_dir
+from data import layout, output_dir
 from data.corpus import (
     TEXT,
     hub_documents,

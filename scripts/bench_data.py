@@ -43,7 +43,7 @@ import datasets  # noqa: E402
 
 from data.corpus import TEXT, inspect_files, local_documents, resolve_inputs  # noqa: E402
 from data.default_corpus import gather_default_corpus  # noqa: E402
-from data.meta import read_meta  # noqa: E402
+from data.layout import read_meta  # noqa: E402
 from data.prepare import prepare  # noqa: E402
 from data.tokenizer import load_processor  # noqa: E402
 

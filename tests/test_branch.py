@@ -19,8 +19,8 @@ from lightning.pytorch import Callback
 
 from tests.helpers.multiproc import REPO
 from tests.helpers.runs import scalars
-from training import checkpoint
-from training.checkpoint import CheckpointError
+from training.checkpointing import layout
+from training.checkpointing.layout import CheckpointError
 from training.cli import main
 from training.errors import DEBUG_ENV
 
@@ -65,7 +65,7 @@ def fit(workdir: Path, name: str, *extra: str) -> Path:
 
 
 def ckpt(run: Path, step: int) -> Path:
-    return checkpoint.checkpoints_dir(run) / checkpoint.step_dirname(step)
+    return layout.checkpoints_dir(run) / layout.step_dirname(step)
 
 
 def lightning_state(run: Path, step: int) -> dict:
@@ -122,9 +122,9 @@ def test_a_cooldown_branch_starts_from_the_parent_with_its_own_schedule(workdir,
     assert scalars(trunk, "train/lr")[6] == pytest.approx(1e-3)
 
     # The parent, in every manifest of the branch; the recorded config reruns the branch.
-    trunk_manifest = checkpoint.read_manifest(parent)
+    trunk_manifest = layout.read_manifest(parent)
     for step in (6, 8):
-        record = checkpoint.read_manifest(ckpt(cool, step))["branched_from"]
+        record = layout.read_manifest(ckpt(cool, step))["branched_from"]
         assert record["checkpoint"] == str(parent.resolve()) and record["run_dir"] == str(trunk.resolve())
         assert record["step"] == 4 and record["tokens_seen"] == trunk_manifest["tokens_seen"] == 4 * 2 * 4 * 16
         assert record["manifest_sha256"] == hashlib.sha256((parent / "manifest.json").read_bytes()).hexdigest()
@@ -140,7 +140,7 @@ def test_a_cooldown_branch_starts_from_the_parent_with_its_own_schedule(workdir,
         fit(workdir, "cool", *args, "--trainer.max_steps", "10")
     finally:
         aside.rename(parent)
-    assert checkpoint.read_manifest(ckpt(cool, 10))["branched_from"] == record
+    assert layout.read_manifest(ckpt(cool, 10))["branched_from"] == record
     assert sorted(scalars(cool, "train/lr")) == [5, 6, 7, 8, 9, 10]
     # ... but not with another parent.
     with pytest.raises(CheckpointError, match=r"--branch_from .*step-00000008 --ckpt_path last: .*cool already holds "
@@ -155,7 +155,7 @@ def test_a_branch_of_a_branch_records_the_lineage(workdir, trunk):
                 "--checkpoint.every_n_steps", "2")
     second = fit(workdir, "second", *TRUNK, "--branch_from", str(ckpt(first, 6)), "--trainer.max_steps", "7",
                  "--checkpoint.every_n_steps", "1")
-    record = checkpoint.read_manifest(ckpt(second, 7))["branched_from"]
+    record = layout.read_manifest(ckpt(second, 7))["branched_from"]
     assert record["checkpoint"] == str(ckpt(first, 6).resolve()) and record["step"] == 6
     assert record["branched_from"]["checkpoint"] == str(ckpt(trunk, 4).resolve())
     assert json.loads((ckpt(first, 6) / "manifest.json").read_text())["branched_from"] == record["branched_from"]

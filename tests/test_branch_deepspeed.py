@@ -10,7 +10,7 @@ import torch
 from tests.helpers.multiproc import REPO, run_normlab
 from tests.helpers.runs import consolidated_state_dict, scalars
 from tests.test_branch import TRUNK, probe_config, wsd_linear
-from training import checkpoint
+from training.checkpointing import layout
 
 pytestmark = pytest.mark.slow
 
@@ -26,7 +26,7 @@ def fit_args(workdir: Path, name: str, *extra: str) -> list[str]:
 def test_zero2_cooldown_branch(workdir, tmp_path):
     run_normlab(fit_args(workdir, "trunk", *TRUNK), cwd=workdir)
     trunk = workdir / "runs" / "trunk"
-    parent = checkpoint.checkpoints_dir(trunk) / "step-00000004"
+    parent = layout.checkpoints_dir(trunk) / "step-00000004"
     run_normlab(fit_args(workdir, "cool", "-c", str(probe_config(tmp_path)), "--branch_from", str(parent),
                          "--optim.schedule", "wsd", "--optim.decay_fraction", "0.5", "--optim.weight_decay", "0.05"),
                 cwd=workdir)
@@ -42,7 +42,7 @@ def test_zero2_cooldown_branch(workdir, tmp_path):
     assert sorted(lrs) == [5, 6, 7, 8]
     for step, lr in lrs.items():
         assert lr == pytest.approx(wsd_linear(step - 1), rel=1e-6), step
-    manifest = checkpoint.read_manifest(checkpoint.checkpoints_dir(cool) / "step-00000008")
+    manifest = layout.read_manifest(layout.checkpoints_dir(cool) / "step-00000008")
     assert manifest["format"] == "deepspeed" and manifest["zero_stage"] == 2
     assert manifest["branched_from"]["checkpoint"] == str(parent.resolve())
     assert manifest["branched_from"]["step"] == 4

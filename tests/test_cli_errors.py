@@ -16,7 +16,7 @@ import torch
 
 from model import ModelConfig, Transformer
 from tests.helpers.multiproc import REPO
-from training import checkpoint
+from training.checkpointing import layout
 from training.cli import main
 from training.errors import DEBUG_ENV, UserError
 
@@ -32,28 +32,28 @@ def state_dict_file(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("model")
     cfg = ModelConfig(vocab_size=64, dim=32, n_layers=1, n_heads=4, max_seq_len=16)
     torch.save(Transformer(cfg).state_dict(), root / "model.pt")
-    (root / checkpoint.MODEL_CONFIG_FILE).write_text(json.dumps(cfg.to_dict()))
+    (root / layout.MODEL_CONFIG_FILE).write_text(json.dumps(cfg.to_dict()))
     return root / "model.pt"
 
 
 def taken_run(runs: Path) -> None:
-    ckpt = checkpoint.checkpoints_dir(runs / "taken") / checkpoint.step_dirname(10)
+    ckpt = layout.checkpoints_dir(runs / "taken") / layout.step_dirname(10)
     ckpt.mkdir(parents=True)
-    (ckpt / checkpoint.MANIFEST).write_text(json.dumps({"step": 10, "format": "lightning"}))
+    (ckpt / layout.MANIFEST).write_text(json.dumps({"step": 10, "format": "lightning"}))
 
 
 def trunk_run(runs: Path) -> None:
     """Checkpoint directories to branch from (`--branch_from`): step 4 of another model (dim 64), step 6 of this
     one, and step 2 interrupted (no manifest). The weights file is never read: the checks refuse first."""
-    ckpts = checkpoint.checkpoints_dir(runs / "trunk")
+    ckpts = layout.checkpoints_dir(runs / "trunk")
     for step, dim in ((4, 64), (6, 32)):
-        ckpt = ckpts / checkpoint.step_dirname(step)
+        ckpt = ckpts / layout.step_dirname(step)
         ckpt.mkdir(parents=True)
         cfg = ModelConfig.preset("llama", vocab_size=320, dim=dim, n_layers=1, n_heads=4, max_seq_len=16)
-        (ckpt / checkpoint.MODEL_CONFIG_FILE).write_text(json.dumps(cfg.to_dict()))
-        (ckpt / checkpoint.LIGHTNING_FILE).write_bytes(b"")
-        (ckpt / checkpoint.MANIFEST).write_text(json.dumps({"step": step, "format": "lightning"}))
-    (ckpts / checkpoint.step_dirname(2)).mkdir()
+        (ckpt / layout.MODEL_CONFIG_FILE).write_text(json.dumps(cfg.to_dict()))
+        (ckpt / layout.LIGHTNING_FILE).write_bytes(b"")
+        (ckpt / layout.MANIFEST).write_text(json.dumps({"step": step, "format": "lightning"}))
+    (ckpts / layout.step_dirname(2)).mkdir()
 
 
 TRUNK = "{runs}/trunk/checkpoints/step-0000000"

@@ -14,7 +14,7 @@ from data import datamodule as dm_module
 from data.datamodule import TokenDataModule
 from data.dataset import train_batch
 from data.errors import DataError
-from data.meta import open_tokens
+from data.layout import open_tokens
 from data.prepare import prepare
 from tests.test_data_support import VOCAB, prose_documents
 

@@ -11,7 +11,7 @@ import torch
 
 from data.datamodule import TokenDataModule
 from data.errors import DataError
-from data.meta import open_tokens, read_meta
+from data.layout import open_tokens, read_meta
 from data.mixture import MixtureSampler
 from data.prepare import prepare
 from tests.test_data_datamodule import _Recorder, first, stand_in
@@ -138,7 +138,7 @@ def test_per_source_and_named_validation_in_a_real_fit(dirs: dict[str, Path], tm
     `normlab evaluate` computes for the same windows — also with the windows shared out over 2 ranks."""
     from tests.helpers.multiproc import REPO, run_normlab
     from tests.helpers.runs import scalars
-    from training.evaluate import evaluate
+    from training.eval.heldout import evaluate
 
     run_normlab(["fit", "-c", str(REPO / "tests" / "helpers" / "tiny.yaml"), "--data.seq_len", str(SEQ),
                  "--data.path", f"{{{dirs['prose']}: 3, {dirs['more']}: 1}}",
@@ -153,6 +153,6 @@ def test_per_source_and_named_validation_in_a_real_fit(dirs: dict[str, Path], tm
     assert result["loss"] == pytest.approx(held, rel=1e-5)
     assert scalars(run, "val/held/bpb")[4] == pytest.approx(result["bits_per_byte"], rel=1e-5)
     # Without --data, a mixture run is scored on each source, by name, on the windows the loop used.
-    from training.evaluate import evaluate_sets
+    from training.eval.heldout import evaluate_sets
     by_name = {r["set"]: r["loss"] for r in evaluate_sets(run / "checkpoints" / "step-00000004", log_to_run=False)}
     assert by_name == pytest.approx({"prose": prose, "more": more}, rel=1e-5)

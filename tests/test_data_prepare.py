@@ -10,8 +10,7 @@ import datasets
 import numpy as np
 import pytest
 
-from data import corpus, packing
-from data import meta as layout
+from data import corpus, layout, packing
 from data import prepare as prep
 from data.default_corpus import gather_default_corpus
 from data.errors import DataError

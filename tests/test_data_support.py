@@ -18,7 +18,7 @@ import pyarrow.parquet as pq
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from data.meta import open_tokens, read_meta  # noqa: E402
+from data.layout import open_tokens, read_meta  # noqa: E402
 from data.tokenizer import load_processor  # noqa: E402
 
 VOCAB = 384  # small: byte fallback (256) + specials (4) + characters + a few merges

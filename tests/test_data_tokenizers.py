@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from data import meta as layout
+from data import layout
 from data.errors import DataError
 from data.prepare import prepare
 from data.tokenizer import open_tokenizer, sha256_file
@@ -106,7 +106,7 @@ def test_a_flag_given_eos_survives_the_copy(docs: list[str], tmp_path: Path) -> 
 def test_fit_evaluate_export_generate_with_a_hf_tokenizer(hf_prepared: Path, tmp_path: Path) -> None:
     transformers = pytest.importorskip("transformers")
     from tests.helpers.multiproc import REPO, run_normlab
-    from training.evaluate import evaluate
+    from training.eval.heldout import evaluate
 
     run_normlab(["fit", "-c", str(REPO / "tests" / "helpers" / "tiny.yaml"), "--data.path", str(hf_prepared),
                  "--runs_dir", str(tmp_path / "runs"), "--name", "bpe", "--trainer.max_steps", "4"], cwd=tmp_path)

@@ -16,7 +16,7 @@ import torch
 from data.datamodule import TokenDataModule
 from data.dataset import WindowSampler, sample_indices, val_starts
 from data.errors import DataError
-from data.meta import document_starts, open_tokens, read_meta
+from data.layout import document_starts, open_tokens, read_meta
 from data.mixture import MixtureSampler
 from data.prepare import prepare
 

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from model import Transformer, attention
 from model.probes import record
 from model.rope import RoPE
-from tests.model_helpers import tiny_config
+from tests.helpers.model import tiny_config
 
 # Two rows of 16 tokens, each packing several documents (a 1-token document included).
 LENGTHS = ([5, 1, 7, 3], [9, 7])

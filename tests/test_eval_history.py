@@ -9,7 +9,8 @@ import pytest
 
 from tests.helpers.multiproc import REPO, run_normlab
 from tests.helpers.runs import scalars
-from training.evaluate import evaluate_sets, main
+from training.eval.cli import main
+from training.eval.heldout import evaluate_sets
 
 pytestmark = pytest.mark.slow
 

@@ -18,7 +18,7 @@ import transformers  # a test dependency: if it does not import, these tests fai
 from tests.helpers.data import make_tiny_corpus
 from tests.helpers.multiproc import REPO, run_normlab
 from tests.helpers.runs import scalars, table_value
-from training.loading import load_checkpoint
+from training.checkpointing.load import load_checkpoint
 
 pytestmark = pytest.mark.slow
 

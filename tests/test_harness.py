@@ -11,7 +11,7 @@ import pytest
 
 from tests.helpers.data import WORDS
 from tests.helpers.multiproc import REPO, run_normlab
-from training.evaluate import main as evaluate_main
+from training.eval.cli import main as evaluate_main
 
 HELPERS = REPO / "tests" / "helpers"
 TASK = "normlab_tiny_mc"
@@ -20,7 +20,7 @@ MISSING = 'lm-evaluation-harness is the optional extra: pip install -e ".[eval]"
 
 def test_missing_extra_is_one_clear_line(monkeypatch, capsys, tmp_path):
     monkeypatch.setitem(sys.modules, "lm_eval", None)  # as if not installed: importing it fails
-    monkeypatch.delitem(sys.modules, "training.harness", raising=False)
+    monkeypatch.delitem(sys.modules, "training.eval.harness", raising=False)
     assert evaluate_main(["--checkpoint", str(tmp_path), "--tasks", "hellaswag"]) == 2
     assert capsys.readouterr().err == ('normlab evaluate: error: --tasks needs lm-evaluation-harness, which is not '
                                        'installed: pip install -e ".[eval]"\n')
@@ -70,7 +70,7 @@ def test_multiple_choice_equals_the_harness_hf_model_on_the_export(exported, tmp
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
 
-    from training.harness import run_tasks
+    from training.eval.harness import run_tasks
 
     ckpt, hf_dir = exported
     tasks = write_task(tmp_path)
@@ -97,8 +97,8 @@ def test_rolling_and_generation_equal_the_harness_hf_model(exported):
     from lm_eval.api.instance import Instance
     from lm_eval.models.huggingface import HFLM
 
-    from training.harness import NormlabLM
-    from training.loading import load_checkpoint
+    from training.checkpointing.load import load_checkpoint
+    from training.eval.harness import NormlabLM
 
     ckpt, hf_dir = exported
     loaded = load_checkpoint(ckpt)

@@ -12,7 +12,7 @@ from model import Transformer
 from model.config import INITS, QK_NORMS
 from model.norms import NORMS
 from model.residual import PLACEMENTS
-from tests.model_helpers import tiny_config
+from tests.helpers.model import tiny_config
 
 MATRIX = list(itertools.product(sorted(NORMS), sorted(PLACEMENTS), QK_NORMS, INITS))
 

@@ -14,7 +14,7 @@ from model import Transformer
 from model.config import INITS, QK_NORMS, ModelConfig
 from model.norms import NORMS, build_norm
 from model.residual import PLACEMENTS, Placement, Sublayer
-from tests.model_helpers import tiny_config
+from tests.helpers.model import tiny_config
 from tests.test_model_matrix import check_variant
 from tests.test_model_probes import check_probes_cover_every_layer, check_residual_probes_match_float64
 from tests.test_model_structure import check_blocks_equal_formulas, check_placement

@@ -16,7 +16,7 @@ from model.mlp import MLPS
 from model.norms import NORMS, Norm
 from model.residual import PLACEMENTS, Stream
 from model.rope import rope_cos_sin
-from tests.model_helpers import tiny_config
+from tests.helpers.model import tiny_config
 
 FORMULAS = {  # the one line of math of each built-in placement, written independently of residual.py
     "pre": lambda p, x, f: x + f(p.norm_in(x)),

@@ -18,13 +18,13 @@ import torch
 from data.errors import DataError
 from tests.helpers.faults import installed
 from tests.helpers.multiproc import REPO
-from training import checkpoint, resume
 from training.callbacks.guard import NonFiniteError, NonFiniteGuard
 from training.callbacks.step_checkpoint import StepCheckpoint
-from training.checkpoint import CheckpointError
+from training.checkpointing import layout, resume
+from training.checkpointing.layout import CheckpointError
+from training.checkpointing.load import load_checkpoint
 from training.cli import main
 from training.errors import DEBUG_ENV
-from training.loading import load_checkpoint
 
 pytestmark = pytest.mark.filterwarnings("ignore:LightningCLI's args parameter")
 
@@ -41,7 +41,7 @@ def fit(workdir: Path, name: str, *extra: str) -> None:
 
 
 def step_dir(workdir: Path, name: str, step: int) -> Path:
-    return workdir / "runs" / name / "checkpoints" / checkpoint.step_dirname(step)
+    return workdir / "runs" / name / "checkpoints" / layout.step_dirname(step)
 
 
 @pytest.fixture(scope="module")
@@ -133,7 +133,7 @@ def test_disk_full_during_save(workdir, fault):
     if manifest:
         assert (ckpts / "incomplete" / "step-00000004" / "model.ckpt").is_file()
     fit(workdir, name, "--ckpt_path", "last", "--trainer.max_steps", "4")
-    assert checkpoint.read_manifest(ckpts / "step-00000004")["step"] == 4
+    assert layout.read_manifest(ckpts / "step-00000004")["step"] == 4
 
 
 def test_resume_with_a_vocab_size_smaller_than_the_data(workdir):
@@ -153,7 +153,7 @@ def test_resume_with_an_accumulation_that_splits_an_update(workdir, finished):
     run = copy_run(finished, "reaccumulated")
     fit(workdir, "reaccumulated", "--ckpt_path", "last", "--trainer.accumulate_grad_batches", "4",
         "--trainer.max_steps", "5", "--checkpoint.every_n_steps", "1")
-    assert checkpoint.read_manifest(run / "checkpoints" / "step-00000005")["accumulate_grad_batches"] == 4
+    assert layout.read_manifest(run / "checkpoints" / "step-00000005")["accumulate_grad_batches"] == 4
 
 
 def test_resume_with_changed_model_config(workdir, finished):
@@ -184,7 +184,7 @@ def test_corrupt_manifest(workdir, finished):
 def test_missing_or_truncated_shard(workdir, finished):
     run = copy_run(finished, "damaged")
     ckpt = run / "checkpoints" / "step-00000004"
-    assert "model.ckpt" in checkpoint.read_manifest(ckpt)["files"]
+    assert "model.ckpt" in layout.read_manifest(ckpt)["files"]
     data = (ckpt / "model.ckpt").read_bytes()
     (ckpt / "model.ckpt").write_bytes(data[: len(data) // 2])
     with pytest.raises(CheckpointError, match=r"'model.ckpt' is truncated or altered \(\d+ bytes, \d+ when saved\)"):
@@ -197,17 +197,17 @@ def test_missing_or_truncated_shard(workdir, finished):
 
 
 def test_interrupted_step_dir_is_refused_and_last_skips_it(tmp_path):
-    ckpts = checkpoint.checkpoints_dir(tmp_path)
+    ckpts = layout.checkpoints_dir(tmp_path)
     (ckpts / "step-00000002").mkdir(parents=True)
     (ckpts / "step-00000002" / "manifest.json").write_text(json.dumps({"step": 2, "format": "lightning"}))
     (ckpts / "step-00000004").mkdir()  # shards, no manifest
     (ckpts / ".tmp-step-00000006").mkdir()
-    assert checkpoint.resolve("last", tmp_path) == (str(ckpts / "step-00000002" / "model.ckpt"), 2)
+    assert layout.resolve("last", tmp_path) == (str(ckpts / "step-00000002" / "model.ckpt"), 2)
     with pytest.raises(CheckpointError, match=r"no manifest.json, the save was interrupted"):
-        checkpoint.resolve(str(ckpts / "step-00000004"), tmp_path)
-    assert [p.name for p in checkpoint.incomplete_checkpoints(tmp_path)] == [".tmp-step-00000006",
+        layout.resolve(str(ckpts / "step-00000004"), tmp_path)
+    assert [p.name for p in layout.incomplete_checkpoints(tmp_path)] == [".tmp-step-00000006",
                                                                              "step-00000004"]
-    moved = checkpoint.move_aside(ckpts / ".tmp-step-00000006", "test")
+    moved = layout.move_aside(ckpts / ".tmp-step-00000006", "test")
     assert moved == ckpts / "incomplete" / "step-00000006" and moved.is_dir()
 
 

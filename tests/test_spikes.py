@@ -19,8 +19,8 @@ from model import ModelConfig, Transformer
 from model.names import layer_index
 from tests.helpers.multiproc import REPO
 from tests.helpers.runs import scalars
-from training import checkpoint
 from training.callbacks.guard import NonFiniteGuard
+from training.checkpointing import layout
 from training.cli import main
 from training.errors import DEBUG_ENV
 
@@ -66,7 +66,7 @@ def fit(workdir: Path, name: str, tmp_path: Path, record: str, *extra: str) -> P
 
 
 def weights(run: Path, step: int) -> dict[str, torch.Tensor]:
-    path = checkpoint.checkpoints_dir(run) / checkpoint.step_dirname(step) / "model.ckpt"
+    path = layout.checkpoints_dir(run) / layout.step_dirname(step) / "model.ckpt"
     state = torch.load(path, map_location="cpu", weights_only=True)["state_dict"]
     return {k.removeprefix("model."): v for k, v in state.items()}
 
@@ -85,7 +85,7 @@ def group_norms(tensors: dict[str, torch.Tensor]) -> dict[str, float]:
 def reference_gradient(run: Path, step: int, tokens: torch.Tensor) -> tuple[list[float], dict[str, float]]:
     """The spiked update's micro-batch losses and per-group gradient norms, in float64, from the weights before
     it (checkpoint step - 1): Lightning's backward of FACTOR · loss / accumulation per micro-batch."""
-    config = json.loads((checkpoint.checkpoints_dir(run) / checkpoint.step_dirname(step) / "model_config.json")
+    config = json.loads((layout.checkpoints_dir(run) / layout.step_dirname(step) / "model_config.json")
                         .read_text())
     model = Transformer(ModelConfig(**config)).double()
     model.load_state_dict({k: v.double() for k, v in weights(run, step - 1).items()}, strict=True)
@@ -111,7 +111,7 @@ def test_a_spike_dumps_its_batch_gradient_and_update_norms(workdir, tmp_path, ca
     batches = {**torch.load(tmp_path / "first.pt", weights_only=True)["tokens"],  # steps 1-6
                **torch.load(tmp_path / "resumed.pt", weights_only=True)["tokens"]}  # steps 7-12
     for step in (4, 8):
-        dump = spikes / checkpoint.step_dirname(step)
+        dump = spikes / layout.step_dirname(step)
         assert sorted(p.name for p in dump.iterdir()) == ["batch.safetensors", "spike.json"]
         record, tensors = json.loads((dump / "spike.json").read_text()), load_file(dump / "batch.safetensors")
         tokens = tensors["tokens"]
@@ -174,7 +174,7 @@ def test_a_failed_dump_leaves_nothing_half_written_and_training_goes_on(workdir,
     assert not list((run / "spikes").iterdir())
     log = capsys.readouterr().err
     assert "could not write the spike dump of step 4" in log and "No space left" in log
-    assert checkpoint.read_manifest(checkpoint.checkpoints_dir(run) / "step-00000005")["step"] == 5
+    assert layout.read_manifest(layout.checkpoints_dir(run) / "step-00000005")["step"] == 5
 
 
 @pytest.mark.parametrize("kwargs, message", [

@@ -7,8 +7,8 @@ import pytest
 import scipy.stats as scipy_stats
 
 from training.study import claims as claims_module
-from training.study.evaluate import Context, judge
 from training.study.grid import SCALES, AtInit, Train, shallow
+from training.study.judge import Context, judge
 from training.study.stats import FAIL, INCONCLUSIVE, PASS, combine, difference, estimate, slope, t975, verdict
 
 

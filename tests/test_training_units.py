@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from model import ModelConfig, Transformer
-from training import checkpoint, resume
 from training.callbacks.rng import capture_rng, restore_rng
+from training.checkpointing import layout, resume
 from training.lit_module import LitLM
 from training.optim import OptimConfig, build_optimizer, lr_factor, param_groups
 from training.strategy import ZERO_NAMES, adopt_deepspeed_launcher_env, load_deepspeed_config
@@ -146,27 +146,27 @@ def test_rng_capture_restore_roundtrip():
 
 
 def _fake_ckpt(run_dir, step, fmt="deepspeed", complete=True):
-    d = checkpoint.checkpoints_dir(run_dir) / checkpoint.step_dirname(step)
+    d = layout.checkpoints_dir(run_dir) / layout.step_dirname(step)
     d.mkdir(parents=True)
     if complete:
-        (d / checkpoint.MANIFEST).write_text(json.dumps({"step": step, "format": fmt}))
+        (d / layout.MANIFEST).write_text(json.dumps({"step": step, "format": fmt}))
     return d
 
 
 def test_checkpoint_naming_and_last(tmp_path):
-    assert checkpoint.step_dirname(42) == "step-00000042"
-    assert checkpoint.resolve("last", tmp_path) == (None, None)  # nothing yet: start fresh
+    assert layout.step_dirname(42) == "step-00000042"
+    assert layout.resolve("last", tmp_path) == (None, None)  # nothing yet: start fresh
     _fake_ckpt(tmp_path, 100)
     newest = _fake_ckpt(tmp_path, 1000)
     _fake_ckpt(tmp_path, 2000, complete=False)  # being written / crashed mid-save: never "last"
-    (checkpoint.checkpoints_dir(tmp_path) / "step-junk").mkdir()
-    assert checkpoint.resolve("last", tmp_path) == (str(newest), 1000)  # numeric order, complete only
+    (layout.checkpoints_dir(tmp_path) / "step-junk").mkdir()
+    assert layout.resolve("last", tmp_path) == (str(newest), 1000)  # numeric order, complete only
     lightning = _fake_ckpt(tmp_path / "other", 7, fmt="lightning")
-    assert checkpoint.resolve(str(lightning), tmp_path) == (str(lightning / checkpoint.LIGHTNING_FILE), 7)
-    assert checkpoint.resolve(None, tmp_path) == (None, None)
-    with pytest.raises(checkpoint.CheckpointError, match="no such checkpoint"):
-        checkpoint.resolve(str(tmp_path / "missing"), tmp_path)
-    with pytest.raises(checkpoint.CheckpointError, match="--ckpt_path last"):
+    assert layout.resolve(str(lightning), tmp_path) == (str(lightning / layout.LIGHTNING_FILE), 7)
+    assert layout.resolve(None, tmp_path) == (None, None)
+    with pytest.raises(layout.CheckpointError, match="no such checkpoint"):
+        layout.resolve(str(tmp_path / "missing"), tmp_path)
+    with pytest.raises(layout.CheckpointError, match="--ckpt_path last"):
         resume.check_fresh_run(tmp_path)
     resume.check_fresh_run(tmp_path / "new-run")
 

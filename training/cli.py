@@ -8,10 +8,11 @@
 small (~7.4M parameter) Llama-style model, fp32 on CPU (bf16-mixed on a GPU), logging to `runs/default/`.
 
 Run layout: `--runs_dir`/`--name` (default `runs/default`) holds the TensorBoard events, `config.yaml` and
-`checkpoints/step-XXXXXXXX/` (layout: training/checkpoint.py; saving: training/callbacks/step_checkpoint.py),
+`checkpoints/step-XXXXXXXX/` (layout: training/checkpointing/layout.py; saving: training/callbacks/step_checkpoint.py),
 and `spikes/step-XXXXXXXX/` with `--guard.dump_spike_z` (training/callbacks/spikes.py).
 `--ckpt_path last` resumes the newest complete checkpoint — or starts fresh when there is none, so one command
-both starts and resumes a job. `--branch_from` starts a new run from another run's checkpoint (training/branch.py).
+both starts and resumes a job. `--branch_from` starts a new run from another run's checkpoint
+(training/checkpointing/branch.py).
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ LIGHTNING_SUBCOMMANDS = ("fit", "validate", "test")
 # an exit code; it is imported only when run, so `normlab prepare` does not pay for importing Lightning.
 COMMANDS: dict[str, tuple[str, str]] = {
     "prepare": ("data.prepare:main", "build a tokenizer and token files from text (default: the built-in corpus)"),
-    "evaluate": ("training.evaluate:main", "loss/ppl/bpb of checkpoints or whole runs, or harness tasks"),
+    "evaluate": ("training.eval.cli:main", "loss/ppl/bpb of checkpoints or whole runs, or harness tasks"),
     "export": ("training.export:main", "a checkpoint as a Hugging Face directory"),
     "generate": ("training.generate:main", "continue a prompt with a saved checkpoint"),
     "compare": ("training.compare:main", "a table of config differences and final metrics of runs, and a loss plot"),

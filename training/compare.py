@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import yaml
 
-from training.checkpoint import complete_checkpoints, read_manifest
+from training.checkpointing.layout import complete_checkpoints, read_manifest
 
 log = logging.getLogger(__name__)
 

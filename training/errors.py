@@ -23,7 +23,7 @@ def is_user_error(err: BaseException) -> bool:
     """Whether `err` is bad input rather than a bug: normlab's own error types, a command-line parse error
     (jsonargparse), or a setting Lightning refuses (`MisconfigurationException`)."""
     from data.errors import DataError
-    from training.checkpoint import CheckpointError
+    from training.checkpointing.layout import CheckpointError
 
     if isinstance(err, (UserError, DataError, CheckpointError)):
         return True

@@ -17,10 +17,10 @@ from pathlib import Path
 
 import torch
 
-from data.meta import load_tokenizer
+from data.layout import load_tokenizer
 from model.hf_compat import hf_family, to_hf
+from training.checkpointing.load import NORMLAB_EXPORT_CONFIG, CheckpointError, Loaded, load_checkpoint
 from training.errors import UserError, report
-from training.loading import NORMLAB_EXPORT_CONFIG, CheckpointError, Loaded, load_checkpoint
 
 
 def _special_tokens(tokenizer_path: Path) -> dict[str, tuple[str, int]]:

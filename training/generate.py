@@ -7,8 +7,8 @@ import math
 import torch
 
 from model.generate import generate
+from training.checkpointing.load import CheckpointError, load_checkpoint
 from training.errors import UserError, report
-from training.loading import CheckpointError, load_checkpoint
 
 
 def check_sampling(args: argparse.Namespace) -> None:
@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
         if loaded.tokenizer_path is None or not loaded.tokenizer_path.is_file():
             raise CheckpointError(f"no tokenizer found for '{args.checkpoint}' (its run's data directory or an "
                                   "exported tokenizer.model / tokenizer.json)")
-        from data.meta import load_tokenizer
+        from data.layout import load_tokenizer
 
         tok = load_tokenizer(loaded.tokenizer_path)
         ids = tok.encode_batch([args.prompt])[0]

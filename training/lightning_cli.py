@@ -12,7 +12,7 @@ Config groups (all settable in YAML via `-c` and as dotted flags):
   name, runs_dir, ckpt_path, branch_from, seed_everything
 
 `--branch_from <run>/checkpoints/step-X` starts a new run (`--name`) from another run's checkpoint with its own
-schedule: a cooldown branch (training/branch.py).
+schedule: a cooldown branch (training/checkpointing/branch.py).
 
 Defaults: configs/default.yaml (the default job), then `-c` files in order, then dotted flags.
 """
@@ -29,9 +29,10 @@ from lightning.pytorch.loggers import TensorBoardLogger
 
 from data.datamodule import TokenDataModule
 from data.prepare import DEFAULT_OUTPUT
-from training import branch, checkpoint, compat, resume
+from training import compat
 from training.callbacks import NonFiniteGuard, RNGState, StepCheckpoint, Throughput, TrainingHealth
 from training.callbacks.progress import step_counting
+from training.checkpointing import branch, layout, resume
 from training.cli import LIGHTNING_SUBCOMMANDS
 from training.errors import UserError, is_user_error
 from training.lit_module import lit_lm
@@ -109,7 +110,7 @@ class NormlabCLI(LightningCLI):
             resume.check_fresh_run(root)
             config.ckpt_path, self._purge_step = self._parent.load_path, 0
         else:
-            config.ckpt_path, resumed_step = checkpoint.resolve(requested, root)
+            config.ckpt_path, resumed_step = layout.resolve(requested, root)
             if self.subcommand == "fit":
                 if requested is None:
                     resume.check_fresh_run(root)
@@ -129,9 +130,9 @@ class NormlabCLI(LightningCLI):
             raise UserError(f"--branch_from {config.branch_from} and --ckpt_path {config.ckpt_path}: give one of them "
                             "(--branch_from starts a new run from another run's checkpoint; add --ckpt_path last to "
                             "resume that branch once it has checkpoints)")
-        own = checkpoint.complete_checkpoints(root) if config.ckpt_path == "last" else []
+        own = layout.complete_checkpoints(root) if config.ckpt_path == "last" else []
         if own:
-            branch.check_lineage(config.branch_from, checkpoint.read_manifest(own[-1]), root)
+            branch.check_lineage(config.branch_from, layout.read_manifest(own[-1]), root)
             return None
         return branch.resolve_parent(config.branch_from)
 
@@ -189,8 +190,8 @@ class NormlabCLI(LightningCLI):
             # The recorded config (config.yaml, here and per checkpoint) is what reruns this branch: --branch_from
             # with the --ckpt_path given, not the parent's path (`fit` itself gets that from config_init).
             config.ckpt_path = self._requested_ckpt_path
-        elif load and (checkpoint.ckpt_dir_of(load) / checkpoint.MANIFEST).is_file():  # resumed: keep its record
-            lineage = checkpoint.read_manifest(checkpoint.ckpt_dir_of(load)).get(branch.MANIFEST_KEY)
+        elif load and (layout.ckpt_dir_of(load) / layout.MANIFEST).is_file():  # resumed: keep its record
+            lineage = layout.read_manifest(layout.ckpt_dir_of(load)).get(branch.MANIFEST_KEY)
         else:
             lineage = None
         text = compat.cli_parser(self).dump(config, skip_unset=False)  # nulls too: a complete record

@@ -130,7 +130,7 @@ def build_optimizer(
 
 def restart_schedule(schedule: torch.optim.lr_scheduler.LambdaLR, cfg: OptimConfig, step: int) -> None:
     """Put `cfg`'s own hyper-parameters and LR schedule, evaluated at optimizer step `step`, on an optimizer
-    whose state was just loaded from another run (a cooldown branch, training/branch.py).
+    whose state was just loaded from another run (a cooldown branch, training/checkpointing/branch.py).
 
     Loading a checkpoint restores the parent's param-group values (lr, initial_lr, betas, eps, weight decay)
     and its scheduler's position and base LRs; the moments and step counts stay as loaded. `schedule` must

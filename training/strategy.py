@@ -33,6 +33,8 @@ from lightning.pytorch.accelerators import CUDAAccelerator
 from lightning.pytorch.strategies import DeepSpeedStrategy, Strategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 
+from training.checkpointing.layout import MANIFEST, CheckpointError, read_manifest
+from training.checkpointing.load import deepspeed_state_dict
 from training.compat import (
     DeepSpeedStrategyPatches,
     load_universal_checkpoint,
@@ -76,8 +78,6 @@ class DeepSpeed(DeepSpeedStrategyPatches):
         super().__init__(config=load_deepspeed_config(config), **kwargs)
 
     def load_checkpoint(self, checkpoint_path: str | Path, weights_only: bool | None = None) -> dict[str, Any]:
-        from training.checkpoint import MANIFEST, read_manifest
-
         manifest_file = Path(checkpoint_path) / MANIFEST
         fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
         if not fitting and self.zero_stage_3 and Path(checkpoint_path).is_dir():
@@ -106,9 +106,6 @@ class DeepSpeed(DeepSpeedStrategyPatches):
         optimizer's `_restore_from_bit16_weights`). So rank 0 consolidates the shards (DeepSpeed's zero_to_fp32,
         as `normlab evaluate` does) and Lightning's own ZeRO-3 loader copies the full weights into the
         partitioned parameters, one module at a time."""
-        from training.checkpoint import CheckpointError
-        from training.loading import deepspeed_state_dict
-
         def consolidated() -> dict[str, torch.Tensor]:
             state = deepspeed_state_dict(ckpt_dir)  # a CheckpointError naming a missing or truncated shard
             expected = set(self.lightning_module.state_dict())

@@ -46,7 +46,7 @@ from lightning.pytorch import LightningModule, Trainer
 
 from model.names import layer_index
 from model.probes import grad_norms
-from training.checkpoint import TMP_PREFIX, fsync_path, step_dirname
+from training.checkpointing.layout import TMP_PREFIX, fsync_path, step_dirname
 from training.distributed import full_param, gather_objects
 from training.strategy import is_deepspeed
 

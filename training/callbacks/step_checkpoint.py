@@ -1,4 +1,4 @@
-"""`StepCheckpoint`: crash-safe checkpoints every N optimizer steps (layout: `training/checkpoint.py`).
+"""`StepCheckpoint`: crash-safe checkpoints every N optimizer steps (layout: `training/checkpointing/layout.py`).
 
 A save is atomic (DeepSpeed writes shards in place and its `latest` can name a half-written checkpoint;
 Lightning's DeepSpeed strategy bypasses Lightning's own atomic save — so it is done here):
@@ -34,7 +34,7 @@ from typing import Any
 from lightning.pytorch import Callback, LightningModule, Trainer
 
 from training.callbacks.stop_signals import StopSignals
-from training.checkpoint import (
+from training.checkpointing.layout import (
     CONFIG_FILE,
     DEEPSPEED_TAG,
     LIGHTNING_FILE,
@@ -56,9 +56,9 @@ from training.checkpoint import (
     versions,
     write_text_atomic,
 )
+from training.checkpointing.resume import check_resume
 from training.compat import hold_checkpoint_writes
 from training.distributed import gather_objects
-from training.resume import check_resume
 from training.strategy import is_deepspeed
 
 log = logging.getLogger(__name__)
@@ -112,8 +112,8 @@ class StepCheckpoint(Callback):
 
     The run directory is the trainer's `default_root_dir` (the CLI sets it to `runs/<name>`).
     `resolved_config` is the YAML text of the run's full configuration, `resume_from` the resolved
-    `--ckpt_path` and `branched_from` the parent of a cooldown branch (training/branch.py), recorded in every
-    manifest (all set by the CLI; Lightning only learns the checkpoint path after `setup`).
+    `--ckpt_path` and `branched_from` the parent of a cooldown branch (training/checkpointing/branch.py),
+    recorded in every manifest (all set by the CLI; Lightning only learns the checkpoint path after `setup`).
     """
 
     def __init__(self, every_n_steps: int = 100, keep_last_n: int | None = None) -> None:

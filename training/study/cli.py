@@ -14,8 +14,8 @@ import torch
 from data.prepare import ensure_default_corpus
 from training.errors import UserError
 from training.study.claims import CLAIMS, Claim, select
-from training.study.evaluate import Context, judge
 from training.study.grid import SCALES
+from training.study.judge import Context, judge
 from training.study.plots import plot
 from training.study.report import write_report, write_results
 from training.study.runner import load_data, main_process_measurements, plan, roles_of, run_jobs

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
-from training.study.evaluate import Context, probes, stream_profile
+from training.study.judge import Context, probes, stream_profile
 from training.study.measure import final_loss
 
 SMOOTH = 10  # steps of the moving average over training losses

@@ -6,10 +6,10 @@ import math
 from collections import Counter
 from pathlib import Path
 
-from training.checkpoint import write_text_atomic
+from training.checkpointing.layout import write_text_atomic
 from training.study.claims import Claim
-from training.study.evaluate import Context, Outcome
 from training.study.grid import AtInit, Scale, Train
+from training.study.judge import Context, Outcome
 from training.study.measure import final_loss, outcome
 from training.study.stats import estimate
 

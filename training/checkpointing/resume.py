@@ -1,5 +1,5 @@
-"""What a resume (or a cooldown branch, training/branch.py) checks before any weight is loaded: each failure
-names the checkpoint and the fix.
+"""What a resume (or a cooldown branch, training/checkpointing/branch.py) checks before any weight is loaded:
+each failure names the checkpoint and the fix.
 
 - a new run must not write over another run's checkpoints (`check_fresh_run`);
 - a DeepSpeed directory resumes under DeepSpeed, a Lightning file without it (`check_format`);
@@ -17,7 +17,7 @@ from typing import Any
 
 from lightning.pytorch import LightningModule, Trainer
 
-from training.checkpoint import (
+from training.checkpointing.layout import (
     MODEL_CONFIG_FILE,
     CheckpointError,
     complete_checkpoints,

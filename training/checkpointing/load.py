@@ -20,7 +20,7 @@ import torch
 import yaml
 
 from model import ModelConfig, Transformer
-from training.checkpoint import (
+from training.checkpointing.layout import (
     CONFIG_FILE,
     LIGHTNING_FILE,
     MANIFEST,

@@ -5,10 +5,10 @@ Every checkpoint is a directory, whatever the strategy, so that one name means o
 - otherwise it holds Lightning's single file, `model.ckpt`.
 Beside the weights: `config.yaml` (the resolved CLI config), `model_config.json` (the exact `ModelConfig`) and
 `manifest.json` (step, tokens seen, format, world size, ZeRO stage, config and tokenizer hashes, versions, git
-revision, file sizes; a cooldown branch's parent under `branched_from`, see training/branch.py), written last: a
-directory is complete exactly when it has a manifest. `last` considers only complete directories; incomplete ones
-(interrupted saves) are moved to `checkpoints/incomplete/`, never deleted. Writing is
-`training/callbacks/step_checkpoint.py`; what a resume checks, `training/resume.py`.
+revision, file sizes; a cooldown branch's parent under `branched_from`, see training/checkpointing/branch.py),
+written last: a directory is complete exactly when it has a manifest. `last` considers only complete
+directories; incomplete ones (interrupted saves) are moved to `checkpoints/incomplete/`, never deleted. Writing is
+`training/callbacks/step_checkpoint.py`; what a resume checks, `training/checkpointing/resume.py`.
 """
 from __future__ import annotations
 

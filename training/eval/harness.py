@@ -26,8 +26,8 @@ from lm_eval.tasks import TaskManager
 from tqdm import tqdm
 
 from model.generate import generate
-from training.checkpoint import write_text_atomic
-from training.loading import CheckpointError, load_checkpoint
+from training.checkpointing.layout import write_text_atomic
+from training.checkpointing.load import CheckpointError, load_checkpoint
 
 log = logging.getLogger(__name__)
 

@@ -27,7 +27,7 @@ from typing import Any
 
 from lightning.pytorch import Callback, LightningModule, Trainer
 
-from training.checkpoint import (
+from training.checkpointing.layout import (
     LIGHTNING_FILE,
     MANIFEST,
     MODEL_CONFIG_FILE,

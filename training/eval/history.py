@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import yaml
 
-from training.checkpoint import (
+from training.checkpointing.layout import (
     CONFIG_FILE,
     MANIFEST,
     MODEL_CONFIG_FILE,
@@ -32,8 +32,8 @@ from training.checkpoint import (
     step_dirname,
     write_text_atomic,
 )
-from training.evaluate import log_to_tensorboard, parse_sets, plan_sets, score, split_line
-from training.loading import CheckpointError, load_checkpoint
+from training.checkpointing.load import CheckpointError, load_checkpoint
+from training.eval.heldout import log_to_tensorboard, parse_sets, plan_sets, score, split_line
 
 log = logging.getLogger(__name__)
 

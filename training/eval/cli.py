@@ -1,0 +1,87 @@
+"""`normlab evaluate`: loss, perplexity and bits per byte of saved checkpoints on held-out tokens, or
+lm-evaluation-harness tasks.
+
+`--checkpoint` takes one checkpoint (scored by `training/eval/heldout.py`), a run directory `runs/NAME` (every
+checkpoint of the run: `training/eval/history.py`), and `--tasks` runs harness tasks (`training/eval/harness.py`).
+The numbers go into the run's TensorBoard (`eval/<set>/loss|ppl|bpb` at the checkpoint's step).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from training.checkpointing.layout import write_text_atomic
+from training.checkpointing.load import CheckpointError
+from training.errors import UserError, report
+from training.eval.heldout import evaluate_sets, split_line
+from training.eval.history import evaluate_run, is_run_dir
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="normlab evaluate", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--checkpoint", required=True,
+                    help="a step directory, a .ckpt/.pt/.safetensors file, an export, or a run directory "
+                         "runs/NAME (every complete checkpoint, results in runs/NAME/eval/)")
+    ap.add_argument("--data", nargs="+", default=None, metavar="[NAME=]DIR",
+                    help="prepared data directories, optionally named (default: the run's own validation set)")
+    ap.add_argument("--split", default="val", help="which split to evaluate (default: val)")
+    ap.add_argument("--max-tokens", type=int, default=None,
+                    help="evaluate about this many tokens, spread over the split (default: the run's validation set)")
+    ap.add_argument("--batch-size", type=int, default=8)
+    ap.add_argument("--device", default=None, help="cpu | cuda (default: cuda when available)")
+    ap.add_argument("--output", type=Path, default=None,
+                    help="write the numbers to this JSON file (one checkpoint: a dict for one set, {'sets': {name: "
+                         "dict}} for several)")
+    harness = ap.add_argument_group("downstream tasks (lm-evaluation-harness, `pip install -e \".[eval]\"`)")
+    harness.add_argument("--tasks", default=None,
+                         help="comma-separated harness tasks, e.g. hellaswag,arc_easy (instead of held-out loss)")
+    harness.add_argument("--num-fewshot", type=int, default=None, help="few-shot examples (default: the task's)")
+    harness.add_argument("--limit", type=int, default=None, help="at most this many examples per task")
+    harness.add_argument("--include-path", default=None, help="a directory of your own YAML task definitions")
+    args = ap.parse_args(argv)
+
+    try:
+        if args.tasks:
+            return _run_tasks(args, is_run_dir(args.checkpoint))
+        if is_run_dir(args.checkpoint):
+            if args.output is not None:
+                raise ValueError("--output: a run's results go to <run>/eval/; leave --output out, or evaluate one "
+                                 "checkpoint directory")
+            evaluate_run(args.checkpoint, args.data, args.split, args.max_tokens, args.batch_size, args.device)
+            return 0
+        results = evaluate_sets(args.checkpoint, args.data, args.split, args.max_tokens, args.batch_size,
+                                args.device)
+    except (CheckpointError, ValueError) as err:
+        return report("evaluate", err)
+    if args.output:
+        out = results[0] if len(results) == 1 else {"sets": {r["set"]: r for r in results}}
+        write_text_atomic(args.output, json.dumps(out, indent=2) + "\n")
+    for result in results:
+        print(f"step {result['step']}: {split_line(result)}")
+    return 0
+
+
+def _run_tasks(args: argparse.Namespace, run_dir: bool) -> int:
+    """`--tasks`: the harness on one checkpoint (its errors are CheckpointError/ValueError, reported by main)."""
+    try:
+        from training.eval.harness import run_tasks
+    except ModuleNotFoundError as err:
+        if (err.name or "").split(".")[0] != "lm_eval":
+            raise
+        return report("evaluate", UserError('--tasks needs lm-evaluation-harness, which is not installed: '
+                                            'pip install -e ".[eval]"'))
+    if run_dir or args.data:
+        raise ValueError("--tasks takes one checkpoint (a step directory or an export) and no --data")
+    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    results = run_tasks(args.checkpoint, tasks, args.num_fewshot, args.limit, args.batch_size, args.device,
+                        args.output, args.include_path)
+    for task, metrics in results["results"].items():
+        shown = ", ".join(f"{k.split(',')[0]} {v:.4f}" for k, v in metrics.items()
+                          if isinstance(v, float) and "_stderr" not in k)
+        print(f"{task}: {shown}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -3,7 +3,7 @@ tests — statistic, comparison and threshold, fixed here before any run.
 
 A test's statistic is a per-seed sample (a function in `training.study.judge.STATISTICS` applied to the
 runs of role `a`, and of role `b` when given: then the statistic is the difference a − b, with a Welch interval).
-`kind` and `threshold` say how the interval is judged (see `training.study.stats`); kind "report" shows the
+`kind` and `threshold` say how the interval is judged (see `training.stats`); kind "report" shows the
 numbers with no verdict. `if_not_pass` is printed when a test does not pass: it says what the literature
 expects at this scale and is worded as a hypothesis unless the study measures it.
 """

@@ -12,10 +12,10 @@ import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from training.stats import Estimate, combine, difference, estimate, slope, verdict
 from training.study.claims import Claim, Test
 from training.study.grid import AtInit, Scale, Spec
 from training.study.measure import final_loss
-from training.study.stats import Estimate, combine, difference, estimate, slope, verdict
 
 
 @dataclass

@@ -7,11 +7,11 @@ from collections import Counter
 from pathlib import Path
 
 from training.checkpointing.layout import write_text_atomic
+from training.stats import estimate
 from training.study.claims import Claim
 from training.study.grid import AtInit, Scale, Train
 from training.study.judge import Context, Outcome
 from training.study.measure import final_loss, outcome
-from training.study.stats import estimate
 
 
 def _role_rows(ctx: Context) -> list[str]:

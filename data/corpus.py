@@ -2,7 +2,7 @@
 
 Documents are read as a stream, file by file and record batch by record batch, so memory does not grow with
 the corpus: a ``.txt`` file is one document; each record of a ``.jsonl``/``.json``/``.parquet`` file is one
-document (its ``--text-field``). ``.txt`` files are read with universal newlines, so their CR LF and lone CR
+document (its ``--text_field``). ``.txt`` files are read with universal newlines, so their CR LF and lone CR
 become LF; JSON and Parquet strings arrive exactly as stored. A Hub dataset is read through ``datasets``
 (``streaming=True`` downloads records as they are read).
 
@@ -105,7 +105,7 @@ def inspect_files(paths: Sequence[Path], encoding_errors: str = "strict") -> lis
             if encoding_errors == "strict":
                 raise DataError(
                     f"input file '{path}' is not valid UTF-8: invalid byte at offset {source.bad_utf8_offset}; "
-                    "fix the file, or pass --encoding-errors replace to replace invalid bytes with U+FFFD"
+                    "fix the file, or pass --encoding_errors replace to replace invalid bytes with U+FFFD"
                 )
             logger.warning("%s: invalid UTF-8 from byte %d replaced with U+FFFD", path, source.bad_utf8_offset)
         sources.append(source)
@@ -184,11 +184,11 @@ def _record_text(record: object, text_field: str, path: Path, n: int) -> str | N
     if value is None and n == 1 and text_field not in record:
         raise DataError(
             f"json input(s) '{path}' have no field {text_field!r} (fields: {', '.join(record)}); "
-            "pass --text-field with the name of the text field"
+            "pass --text_field with the name of the text field"
         )
     if value is not None and not isinstance(value, str):
         raise DataError(f"field {text_field!r} of json input '{path}' (record {n}) holds "
-                        f"{type(value).__name__}, not text; pass --text-field")
+                        f"{type(value).__name__}, not text; pass --text_field")
     return value
 
 
@@ -204,11 +204,11 @@ def _parquet_documents(path: Path, text_field: str, batch_rows: int = 1024) -> I
     if text_field not in schema.names:
         raise DataError(
             f"parquet input(s) '{path}' have no field {text_field!r} (fields: {', '.join(schema.names)}); "
-            "pass --text-field with the name of the text field"
+            "pass --text_field with the name of the text field"
         )
     kind = schema.field(text_field).type
     if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
-        raise DataError(f"field {text_field!r} of parquet input '{path}' holds {kind}, not text; pass --text-field")
+        raise DataError(f"field {text_field!r} of parquet input '{path}' holds {kind}, not text; pass --text_field")
     for batch in reader.iter_batches(batch_size=batch_rows, columns=[text_field]):
         yield from batch.column(0).to_pylist()
 
@@ -236,7 +236,7 @@ def load_hub(name: str, config: str | None, split: str, text_field: str, streami
     endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
     if not offline and not hub_reachable(endpoint, HUB_PROBE_TIMEOUT):
         raise DataError(
-            f"cannot reach {endpoint} to download --hf-dataset {name!r} (no network?). If it is already in "
+            f"cannot reach {endpoint} to download --hf_dataset {name!r} (no network?). If it is already in "
             "your Hugging Face cache, set HF_DATASETS_OFFLINE=1 and rerun; otherwise download it where there "
             "is network, or pass local files with --input"
         )
@@ -245,11 +245,11 @@ def load_hub(name: str, config: str | None, split: str, text_field: str, streami
         columns = ds.column_names if not streaming else list((ds.features or {}) or next(iter(ds), {}))
     except Exception as e:  # offline misses, unknown names, bad configs or splits all land here
         where = "in the local cache (offline mode)" if offline else "on the Hub"
-        raise DataError(f"could not load --hf-dataset {name!r} (config {config}, split {split!r}) {where}: {e}") from e
+        raise DataError(f"could not load --hf_dataset {name!r} (config {config}, split {split!r}) {where}: {e}") from e
     if text_field not in columns:
         raise DataError(
             f"records of {name!r} have no field {text_field!r} (fields: {', '.join(columns)}); "
-            "pass --text-field with the name of the text field"
+            "pass --text_field with the name of the text field"
         )
     return ds.select_columns([text_field])
 
@@ -263,8 +263,8 @@ def hub_documents(ds, text_field: str, skip: int = 0, batch_rows: int = 1024) ->
     for record in ds.skip(skip) if skip else ds:
         value = record.get(text_field)
         if value is not None and not isinstance(value, str):
-            raise DataError(f"field {text_field!r} of the --hf-dataset records holds {type(value).__name__}, not "
-                            "text; pass --text-field")
+            raise DataError(f"field {text_field!r} of the --hf_dataset records holds {type(value).__name__}, not "
+                            "text; pass --text_field")
         yield value
 
 

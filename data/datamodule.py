@@ -305,7 +305,7 @@ class TokenDataModule(L.LightningDataModule):
 
 def held_out_split(meta: dict[str, Any]) -> str:
     """The split a named held-out directory is evaluated on: its val split, or its train split when it has no
-    val split (a directory prepared with --val-fraction 0 to be a held-out set as a whole)."""
+    val split (a directory prepared with --val_fraction 0 to be a held-out set as a whole)."""
     return "val" if meta["splits"]["val"]["tokens"] else "train"
 
 

@@ -97,7 +97,7 @@ def prepare(
     given = open_tokenizer(tokenizer, bos_id=bos_id, eos_id=eos_id) if tokenizer is not None else None
     if given is not None and vocab_size is not None and vocab_size != given.vocab_size:
         raise DataError(
-            f"--vocab-size {vocab_size} contradicts --tokenizer '{tokenizer}' ({given.vocab_size} pieces); drop one"
+            f"--vocab_size {vocab_size} contradicts --tokenizer '{tokenizer}' ({given.vocab_size} pieces); drop one"
         )
     vocab_size = vocab_size or DEFAULT_VOCAB_SIZE
 
@@ -193,7 +193,7 @@ def _pack(
             reached = writer.write(batch, ids, max_tokens)
             done_bytes += sum(len(text) for _, text in batch)
             if reached:
-                logger.info("stopping at %d tokens (--max-tokens %d)", state.tokens, max_tokens)
+                logger.info("stopping at %d tokens (--max_tokens %d)", state.tokens, max_tokens)
                 break
             if time.perf_counter() - saved > PROGRESS_SECONDS:
                 writer.flush()
@@ -231,24 +231,24 @@ def _check_settings(
     val_fraction: float, num_proc: int, encoding_errors: str, streaming: bool, max_tokens: int | None,
 ) -> None:
     if inputs and hf_dataset:
-        raise DataError("give either --input or --hf-dataset, not both")
+        raise DataError("give either --input or --hf_dataset, not both")
     if hf_config and not hf_dataset:
-        raise DataError("--hf-config needs --hf-dataset")
+        raise DataError("--hf_config needs --hf_dataset")
     if vocab_size is not None and vocab_size < MIN_VOCAB_SIZE:
         raise DataError(
-            f"--vocab-size {vocab_size} is too small: byte fallback alone takes 256 pieces and the special "
+            f"--vocab_size {vocab_size} is too small: byte fallback alone takes 256 pieces and the special "
             f"pieces 4 more; use at least {MIN_VOCAB_SIZE} (more for text with many distinct characters)"
         )
     if not 0 <= val_fraction <= 0.5:
-        raise DataError(f"--val-fraction {val_fraction} must be between 0 and 0.5")
+        raise DataError(f"--val_fraction {val_fraction} must be between 0 and 0.5")
     if num_proc < 1:
-        raise DataError(f"--num-proc {num_proc} must be at least 1")
+        raise DataError(f"--num_proc {num_proc} must be at least 1")
     if streaming and not hf_dataset:
-        raise DataError("--streaming applies to --hf-dataset (local inputs are always read as a stream)")
+        raise DataError("--streaming applies to --hf_dataset (local inputs are always read as a stream)")
     if max_tokens is not None and max_tokens < 1:
-        raise DataError(f"--max-tokens {max_tokens} must be at least 1")
+        raise DataError(f"--max_tokens {max_tokens} must be at least 1")
     if encoding_errors not in ENCODING_ERRORS:
-        raise DataError(f"--encoding-errors {encoding_errors!r} must be one of {', '.join(ENCODING_ERRORS)}")
+        raise DataError(f"--encoding_errors {encoding_errors!r} must be one of {', '.join(ENCODING_ERRORS)}")
 
 
 def _digest(value: Any) -> str:
@@ -295,34 +295,34 @@ def _normlab_version() -> str:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="normlab prepare",
-        description="Tokenize a corpus into memory-mapped token files. With no --input or --hf-dataset, "
+        description="Tokenize a corpus into memory-mapped token files. With no --input or --hf_dataset, "
         "builds the default corpus (English prose from the installed Python's documentation).",
     )
     add = parser.add_argument
     add("--input", nargs="+", action="extend", default=[], metavar="PATH",
         help="files, directories (searched recursively) or globs of *.txt, *.jsonl, *.json, *.parquet")
-    add("--hf-dataset", metavar="NAME", help="a Hugging Face Hub dataset (needs network or a cached copy)")
-    add("--hf-config", metavar="C", help="configuration of --hf-dataset")
-    add("--split", default="train", help="split of --hf-dataset (default: train)")
-    add("--text-field", default=TEXT, metavar="F", help="text field of json/parquet/Hub records (default: text)")
+    add("--hf_dataset", metavar="NAME", help="a Hugging Face Hub dataset (needs network or a cached copy)")
+    add("--hf_config", metavar="C", help="configuration of --hf_dataset")
+    add("--split", default="train", help="split of --hf_dataset (default: train)")
+    add("--text_field", default=TEXT, metavar="F", help="text field of json/parquet/Hub records (default: text)")
     add("--output", metavar="DIR", help=f"output directory (default without inputs: {DEFAULT_OUTPUT})")
-    add("--vocab-size", type=int, metavar="N", help=f"train a tokenizer of N pieces (default: {DEFAULT_VOCAB_SIZE})")
+    add("--vocab_size", type=int, metavar="N", help=f"train a tokenizer of N pieces (default: {DEFAULT_VOCAB_SIZE})")
     add("--tokenizer", metavar="PATH",
         help="use this tokenizer instead of training one: a sentencepiece .model, a Hugging Face tokenizer.json, "
         "or a directory holding one")
-    add("--bos-id", type=int, metavar="ID", help="BOS id of a tokenizer.json (default: from tokenizer_config.json "
+    add("--bos_id", type=int, metavar="ID", help="BOS id of a tokenizer.json (default: from tokenizer_config.json "
         "or a known token name)")
-    add("--eos-id", type=int, metavar="ID", help="EOS id (the document separator) of a tokenizer.json (default: "
+    add("--eos_id", type=int, metavar="ID", help="EOS id (the document separator) of a tokenizer.json (default: "
         "from tokenizer_config.json or a known token name such as <|endoftext|>)")
-    add("--val-fraction", type=float, metavar="F",
+    add("--val_fraction", type=float, metavar="F",
         help=f"fraction of documents for validation (default: {DEFAULT_VAL_FRACTION}; "
         f"{DEFAULT_CORPUS_VAL_FRACTION} for the default corpus)")
-    add("--num-proc", type=int, default=1, metavar="N", help="tokenizer processes (default: 1)")
-    add("--streaming", action="store_true", help="read --hf-dataset record by record as it downloads (no full copy)")
-    add("--max-tokens", type=int, metavar="N", help="stop at the first document boundary at or after N tokens")
+    add("--num_proc", type=int, default=1, metavar="N", help="tokenizer processes (default: 1)")
+    add("--streaming", action="store_true", help="read --hf_dataset record by record as it downloads (no full copy)")
+    add("--max_tokens", type=int, metavar="N", help="stop at the first document boundary at or after N tokens")
     add("--resume", action="store_true", help="continue an interrupted prepare of the same sources and settings")
     add("--overwrite", action="store_true", help="replace an output built from other sources or settings")
-    add("--encoding-errors", choices=ENCODING_ERRORS, default="strict",
+    add("--encoding_errors", choices=ENCODING_ERRORS, default="strict",
         help="invalid UTF-8: fail (strict, default) or replace bad bytes with U+FFFD")
     return parser
 
@@ -332,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     has_inputs = bool(args.input or args.hf_dataset)
     if args.output is None and has_inputs:
-        parser.error("--output is required with --input or --hf-dataset")
+        parser.error("--output is required with --input or --hf_dataset")
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, format="%(message)s")
     start = time.perf_counter()

@@ -79,8 +79,8 @@ def train_tokenizer(lines: Iterable[str], vocab_size: int, output: Path, num_thr
         # the bound ("Please set it to a value <= 307", "270 vs 344").
         reason = re.sub(r"^.*?\] ", "", str(e))
         raise DataError(
-            f"cannot train a tokenizer with --vocab-size {vocab_size} on this corpus: {reason} "
-            "Choose a --vocab-size in the range sentencepiece gives, or supply more text."
+            f"cannot train a tokenizer with --vocab_size {vocab_size} on this corpus: {reason} "
+            "Choose a --vocab_size in the range sentencepiece gives, or supply more text."
         ) from e
     output.write_bytes(model.getvalue())
     info = describe_tokenizer(output)
@@ -191,7 +191,7 @@ class HFTokenizer(Tokenizer):
             raise DataError(f"tokenizer file '{self.path}' is not a Hugging Face tokenizer.json: {e}") from e
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         named = _config_tokens(self.path.parent)
-        self.eos_id = self._special(eos_id, named.get("eos_token"), EOS_CANDIDATES, "EOS", "--eos-id")
+        self.eos_id = self._special(eos_id, named.get("eos_token"), EOS_CANDIDATES, "EOS", "--eos_id")
         self.bos_id = self._special(bos_id, named.get("bos_token"), BOS_CANDIDATES, "BOS", None)
         pad = self._tok.token_to_id(named["pad_token"]) if named.get("pad_token") else None
         self.pad_id = pad if pad is not None else self.eos_id
@@ -296,7 +296,7 @@ def open_tokenizer(path: str | Path, bos_id: int | None = None, eos_id: int | No
     if path.suffix == ".json":
         return HFTokenizer(path, bos_id=bos_id, eos_id=eos_id)
     if bos_id is not None or eos_id is not None:
-        raise DataError(f"--bos-id/--eos-id apply to Hugging Face tokenizers; '{path}' is a sentencepiece model "
+        raise DataError(f"--bos_id/--eos_id apply to Hugging Face tokenizers; '{path}' is a sentencepiece model "
                         "whose ids are read from it")
     return SentencePieceTokenizer(path)
 

@@ -1,11 +1,11 @@
 """Benchmark ``normlab prepare``: overhead over sentencepiece's raw encoding, and memory at scale.
 
-    python scripts/bench_data.py [--vocab-size 8192] [--repeats 3] [--input FILES...]
-    python scripts/bench_data.py --scale 50 200 [--num-proc 1 2]
+    python scripts/bench_data.py [--vocab_size 8192] [--repeats 3] [--input FILES...]
+    python scripts/bench_data.py --scale 50 200 [--num_proc 1 2]
 
 ``--scale MB ...``: builds synthetic-but-realistic JSON-lines corpora of those sizes (paragraphs of the default
 corpus, real English, recombined at random into documents of 1-40 paragraphs), trains one tokenizer on the
-smallest, then runs ``normlab prepare --tokenizer`` on each size with each ``--num-proc`` as a subprocess and
+smallest, then runs ``normlab prepare --tokenizer`` on each size with each ``--num_proc`` as a subprocess and
 reports wall time, MB/s and the peak RSS of the whole process tree (prepare and its workers together, sampled
 every 0.1 s from /proc) and of the largest single process. Memory that does not grow with the size is the point.
 
@@ -131,7 +131,7 @@ def scale(sizes: list[float], num_procs: list[int], vocab_size: int) -> None:
                 out = work / f"out_{mb:g}_{n}"
                 wall, rss_sum, rss_max = _run_measured([
                     sys.executable, "-m", "data.prepare", "--input", str(corpora[mb]), "--output", str(out),
-                    "--tokenizer", str(tokenizer), "--num-proc", str(n)])
+                    "--tokenizer", str(tokenizer), "--num_proc", str(n)])
                 print(f"{text_mb[mb]:8.1f}{n:9d}{wall:8.1f}{text_mb[mb] / wall:7.2f}{rss_sum / 1e6:18.0f}"
                       f"{rss_max / 1e6:17.0f}", flush=True)
                 shutil.rmtree(out)
@@ -141,10 +141,10 @@ def scale(sizes: list[float], num_procs: list[int], vocab_size: int) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--input", nargs="+", default=[])
-    parser.add_argument("--vocab-size", type=int, default=8192)
+    parser.add_argument("--vocab_size", type=int, default=8192)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--scale", nargs="+", type=float, metavar="MB", help="measure memory at these corpus sizes")
-    parser.add_argument("--num-proc", nargs="+", type=int, default=[1, 2])
+    parser.add_argument("--num_proc", nargs="+", type=int, default=[1, 2])
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     datasets.disable_progress_bars()

@@ -83,11 +83,11 @@ CASES = {
                                      ["--trainer.max_steps 1", "parent's step 6", "larger max_steps"]),
     "unwritable_export": ("export --checkpoint {model} --format safetensors --output {runs}/a-file/model",
                           ["cannot write --output", "a-file/model", "choose a directory"]),
-    "top_p_above_one": ("generate --checkpoint {model} --prompt hi --top-p 1.5", ["--top-p 1.5", "(0, 1]"]),
+    "top_p_above_one": ("generate --checkpoint {model} --prompt hi --top_p 1.5", ["--top_p 1.5", "(0, 1]"]),
     "negative_temperature": ("generate --checkpoint {model} --prompt hi --temperature -1",
                              ["--temperature -1.0", ">= 0"]),
-    "zero_top_k": ("generate --checkpoint {model} --prompt hi --top-k 0", ["--top-k 0", "at least 1"]),
-    "no_new_tokens": ("generate --checkpoint {model} --prompt hi --max-new-tokens 0", ["--max-new-tokens 0"]),
+    "zero_top_k": ("generate --checkpoint {model} --prompt hi --top_k 0", ["--top_k 0", "at least 1"]),
+    "no_new_tokens": ("generate --checkpoint {model} --prompt hi --max_new_tokens 0", ["--max_new_tokens 0"]),
     "missing_checkpoint": ("evaluate --checkpoint {runs}/nope", ["'", "nope' does not exist"]),
 }
 
@@ -126,9 +126,9 @@ def test_user_error_is_one_line(case, workdir, tmp_path, state_dict_file, capsys
 
 
 def test_debug_shows_the_traceback_and_bugs_keep_theirs(workdir, tmp_path, state_dict_file, monkeypatch):
-    argv = ["generate", "--checkpoint", str(state_dict_file), "--prompt", "hi", "--top-p", "1.5"]
+    argv = ["generate", "--checkpoint", str(state_dict_file), "--prompt", "hi", "--top_p", "1.5"]
     monkeypatch.setenv(DEBUG_ENV, "1")
-    with pytest.raises(UserError, match="--top-p 1.5"):
+    with pytest.raises(UserError, match="--top_p 1.5"):
         main(argv)
     monkeypatch.delenv(DEBUG_ENV)
 

@@ -236,7 +236,7 @@ def test_without_resume_a_leftover_partial_is_discarded(tmp_path: Path, prepared
 def test_encoding_errors(tmp_path: Path, prepared: Path) -> None:
     bad = tmp_path / "bad.txt"
     bad.write_bytes("ok é ".encode() + b"\xff\xfe tail")
-    message = r"'.*bad\.txt' is not valid UTF-8: invalid byte at offset 6.*--encoding-errors replace"
+    message = r"'.*bad\.txt' is not valid UTF-8: invalid byte at offset 6.*--encoding_errors replace"
     with pytest.raises(DataError, match=message):
         prepare([bad], output=tmp_path / "out", tokenizer=prepared / "tokenizer.model")
     out = prepare([bad], output=tmp_path / "out", tokenizer=prepared / "tokenizer.model", val_fraction=0.0,
@@ -301,18 +301,18 @@ def test_bad_inputs_name_the_path(tmp_path: Path, make, message: str) -> None:
 
 def test_json_without_the_text_field(tmp_path: Path) -> None:
     (tmp_path / "r.jsonl").write_text(json.dumps({"content": "hello"}) + "\n")
-    with pytest.raises(DataError, match=r"have no field 'text' \(fields: content\); pass --text-field"):
+    with pytest.raises(DataError, match=r"have no field 'text' \(fields: content\); pass --text_field"):
         prepare([tmp_path / "r.jsonl"], output=tmp_path / "out", vocab_size=VOCAB)
 
 
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"vocab_size": 100}, r"--vocab-size 100 is too small.*at least 261"),
-        ({"vocab_size": 5000}, r"cannot train a tokenizer with --vocab-size 5000.*<= \d+"),
-        ({"val_fraction": 0.9}, r"--val-fraction 0.9 must be between 0 and 0.5"),
-        ({"num_proc": 0}, r"--num-proc 0 must be at least 1"),
-        ({"hf_dataset": "x/y"}, r"either --input or --hf-dataset"),
+        ({"vocab_size": 100}, r"--vocab_size 100 is too small.*at least 261"),
+        ({"vocab_size": 5000}, r"cannot train a tokenizer with --vocab_size 5000.*<= \d+"),
+        ({"val_fraction": 0.9}, r"--val_fraction 0.9 must be between 0 and 0.5"),
+        ({"num_proc": 0}, r"--num_proc 0 must be at least 1"),
+        ({"hf_dataset": "x/y"}, r"either --input or --hf_dataset"),
         ({"tokenizer": "nope.model"}, r"tokenizer file 'nope.model' does not exist"),
     ],
 )
@@ -327,19 +327,19 @@ def test_hub_dataset_without_network_fails_fast(tmp_path: Path, monkeypatch: pyt
     monkeypatch.setattr(corpus, "HUB_PROBE_TIMEOUT", 0.5)
     monkeypatch.setenv("HF_ENDPOINT", "https://hub.invalid")  # never resolves
     start = time.perf_counter()
-    with pytest.raises(DataError, match=r"cannot reach https://hub.invalid to download --hf-dataset 'a/b'.*--input"):
+    with pytest.raises(DataError, match=r"cannot reach https://hub.invalid to download --hf_dataset 'a/b'.*--input"):
         prepare(hf_dataset="a/b", output=tmp_path / "out")
     assert time.perf_counter() - start < 5
 
 
 def test_hub_dataset_offline_mode_names_the_dataset(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
-    with pytest.raises(DataError, match=r"could not load --hf-dataset 'normlab/absent'.*local cache \(offline mode\)"):
+    with pytest.raises(DataError, match=r"could not load --hf_dataset 'normlab/absent'.*local cache \(offline mode\)"):
         prepare(hf_dataset="normlab/absent", output=tmp_path / "out")
 
 
 def test_hub_dataset_from_the_local_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, prepared: Path) -> None:
-    """The --hf-dataset path end to end, offline: `datasets` resolves a local directory like a Hub repository."""
+    """The --hf_dataset path end to end, offline: `datasets` resolves a local directory like a Hub repository."""
     monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "hf_cache")
     repo = tmp_path / "repo"
@@ -367,7 +367,7 @@ def test_cli_prepares_with_a_given_tokenizer(
 ) -> None:
     (tmp_path / "a.txt").write_text("plenty of words here " * 40)
     argv = ["--input", str(tmp_path / "a.txt"), "--output", str(tmp_path / "out"),
-            "--tokenizer", str(prepared / "tokenizer.model"), "--val-fraction", "0"]
+            "--tokenizer", str(prepared / "tokenizer.model"), "--val_fraction", "0"]
     assert main(argv) == 0
     assert "train: " in capsys.readouterr().out
     assert decode_documents(tmp_path / "out", "train") == ["plenty of words here " * 40]
@@ -377,7 +377,7 @@ def test_cli_prepares_with_a_given_tokenizer(
 @pytest.fixture(scope="module")
 def default_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("default") / "corpus"
-    assert main(["--output", str(out), "--vocab-size", str(VOCAB)]) == 0
+    assert main(["--output", str(out), "--vocab_size", str(VOCAB)]) == 0
     return out
 
 
@@ -409,7 +409,7 @@ def test_gathering_is_deterministic_and_deduplicated() -> None:
     assert len(paragraphs) == len(set(paragraphs)) > 100
 
 
-# --- streamed Hub datasets and --max-tokens ------------------------------------------------------------------
+# --- streamed Hub datasets and --max_tokens ------------------------------------------------------------------
 def _local_hub_repo(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, docs: list[str]) -> Path:
     monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "hf_cache")
@@ -429,7 +429,7 @@ def test_streamed_hub_dataset_equals_the_downloaded_one(
     for name in ("train.bin", "val.bin", "train.idx"):
         assert (streamed / name).read_bytes() == (whole / name).read_bytes()
     assert layout.read_meta(streamed)["sources"]["streaming"] is True
-    with pytest.raises(DataError, match=r"--streaming applies to --hf-dataset"):
+    with pytest.raises(DataError, match=r"--streaming applies to --hf_dataset"):
         prepare([repo / "train.jsonl"], output=tmp_path / "x", streaming=True)
 
 
@@ -442,7 +442,7 @@ def test_max_tokens_stops_at_the_first_document_boundary_after_n(tmp_path: Path,
     out = prepare([tmp_path / "d.jsonl"], output=tmp_path / "out", tokenizer=prepared / "tokenizer.model",
                   val_fraction=0.0, max_tokens=limit)
     assert decode_documents(out, "train") == docs[:7]
-    with pytest.raises(DataError, match=r"--max-tokens 0 must be at least 1"):
+    with pytest.raises(DataError, match=r"--max_tokens 0 must be at least 1"):
         prepare([tmp_path / "d.jsonl"], output=tmp_path / "o2", max_tokens=0)
 
 

@@ -80,7 +80,7 @@ def test_piece_bytes_count_every_byte(docs: list[str], hf_prepared: Path) -> Non
 
 def test_eos_comes_from_the_config_or_a_flag(docs: list[str], tmp_path: Path) -> None:
     plain = train_bpe(docs, tmp_path / "plain", specials=("[END]",))
-    with pytest.raises(DataError, match=r"no recognizable end-of-document token .*pass its id with --eos-id"):
+    with pytest.raises(DataError, match=r"no recognizable end-of-document token .*pass its id with --eos_id"):
         open_tokenizer(plain)
     end = open_tokenizer(plain, eos_id=0).eos_id
     (plain / "tokenizer_config.json").write_text(json.dumps({"eos_token": "[END]"}))
@@ -124,6 +124,6 @@ def test_fit_evaluate_export_generate_with_a_hf_tokenizer(hf_prepared: Path, tmp
     for text in ("the quick brown fox.", TRICKY[1]):
         assert auto.encode(text, add_special_tokens=False) == lib.encode_batch([text])[0]
     assert auto.eos_token_id == meta["eos_id"]
-    generated = run_normlab(["generate", "--checkpoint", str(ckpt), "--prompt", "The", "--max-new-tokens", "5"],
+    generated = run_normlab(["generate", "--checkpoint", str(ckpt), "--prompt", "The", "--max_new_tokens", "5"],
                             cwd=tmp_path)
     assert generated.stdout.startswith("The")

@@ -59,7 +59,7 @@ def test_every_checkpoint_once_with_csv_json_and_tensorboard(run, caplog):
     scalars(run, "eval/val/loss")  # still one point per step (it asserts no duplicates)
 
     # Other settings are not "done": fewer tokens re-evaluates every step.
-    evaluate(caplog, "--checkpoint", str(run), "--max-tokens", "64")
+    evaluate(caplog, "--checkpoint", str(run), "--max_tokens", "64")
     assert json.loads(files[4].read_text())["tokens"] == 64
 
 
@@ -67,7 +67,7 @@ def test_several_named_sets(run, workdir, tmp_path, caplog, capsys):
     out = tmp_path / "sets.json"
     data = str(workdir / "tiny")
     evaluate(caplog, "--checkpoint", str(run / "checkpoints" / "step-00000006"), "--data", f"web={data}",
-             f"books={data}", "--max-tokens", "160", "--output", str(out))
+             f"books={data}", "--max_tokens", "160", "--output", str(out))
     sets = json.loads(out.read_text())["sets"]
     assert sorted(sets) == ["books", "web"] and sets["web"]["loss"] == sets["books"]["loss"]
     assert scalars(run, "eval/web/loss")[6] == pytest.approx(sets["web"]["loss"])

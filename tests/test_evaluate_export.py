@@ -75,7 +75,7 @@ def test_greedy_generation_equals_transformers(runs, workdir, tmp_path):
 
     ours = generate(load_checkpoint(runs["qwen3"]).model, ids, 5)  # greedy, KV cache
     assert torch.equal(ours, theirs)
-    proc = run_normlab(["generate", "--checkpoint", str(runs["qwen3"]), "--prompt", prompt, "--max-new-tokens", "8",
+    proc = run_normlab(["generate", "--checkpoint", str(runs["qwen3"]), "--prompt", prompt, "--max_new_tokens", "8",
                         "--temperature", "0"], cwd=workdir)
     import sentencepiece as spm
 
@@ -117,7 +117,7 @@ def test_evaluate_single_process_checkpoint(runs, workdir, tmp_path):
 
     val = json.loads((workdir / "tiny" / "meta.json").read_text())["splits"]["val"]
     windows = (val["tokens"] - 1) // 16
-    run_normlab(["evaluate", "--checkpoint", str(runs["llama"]), "--output", str(out), "--max-tokens",
+    run_normlab(["evaluate", "--checkpoint", str(runs["llama"]), "--output", str(out), "--max_tokens",
                  str(windows * 16)], cwd=workdir)
     whole = json.loads(out.read_text())
     assert whole["tokens"] == windows * 16

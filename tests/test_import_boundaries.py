@@ -39,3 +39,89 @@ def test_package_does_not_import_across_its_boundary(package):
 def test_the_check_sees_imports_inside_functions():
     source = "import os\ndef f():\n    from ..training import checkpoint\n    import training.cli\n"
     assert [name for _, name in imported_modules(source, ("data",))] == ["os", "training", "training.cli"]
+
+
+PACKAGES = ("model", "data", "training")
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(REPO).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def runtime_imports(source: str, package: tuple[str, ...]) -> list[str]:
+    """The modules `source` imports when it runs, functions included: `if TYPE_CHECKING:` blocks are left out
+    (they never run), and `from pkg import name` names both `pkg.name` and `pkg` (`import_graph` keeps the one
+    that is a module). A package's own `__init__`, which Python runs before any of its submodules, is not counted:
+    every submodule would otherwise form a cycle with an `__init__` that re-exports it."""
+    tree = ast.parse(source)
+    skipped = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
+               and ast.unparse(node.test).endswith("TYPE_CHECKING") for n in ast.walk(node)}
+    found = []
+    for node in ast.walk(tree):
+        if id(node) in skipped:
+            continue
+        if isinstance(node, ast.Import):
+            found += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = ".".join(package[: len(package) - node.level + 1]) if node.level else ""
+            module = ".".join(filter(None, [base, node.module or ""]))
+            found += [f"{module}.{alias.name}" for alias in node.names] + [module]
+    return found
+
+
+def import_graph() -> dict[str, set[str]]:
+    paths = [p for package in PACKAGES for p in sorted((REPO / package).rglob("*.py"))]
+    modules = {module_name(p): p for p in paths}
+    graph = {}
+    for name, path in modules.items():
+        imported = {m for m in runtime_imports(path.read_text(), path.relative_to(REPO).parts[:-1]) if m in modules}
+        # `from pkg import sub`: an edge to the submodule only, not also to `pkg` (see runtime_imports)
+        graph[name] = {m for m in imported if not any(n.startswith(m + ".") for n in imported)} - {name}
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while not component or component[-1] != v:
+                component.append(stack.pop())
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_import_cycles():
+    """No two of normlab's modules import each other, directly or through others — lazy imports inside functions
+    included: under `python -m training.cli` a cycle through the entry module loads it twice (`__main__` and
+    `training.cli`), and a cycle fixes an import order that a later top-level import can break."""
+    assert cycles(import_graph()) == []
+
+
+def test_the_cycle_check_sees_a_lazy_cycle():
+    graph = import_graph()
+    source = "def run():\n    from training.lightning_cli import NormlabCLI\n"
+    assert "training.lightning_cli" in runtime_imports(source, ("training",))
+    graph["training.subcommands"] = graph["training.subcommands"] | {"training.lightning_cli"}
+    assert any({"training.subcommands", "training.lightning_cli"} <= set(c) for c in cycles(graph))
+    typed = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from model.config import ModelConfig\n"
+    assert "model.config" not in runtime_imports(typed, ("model",))

@@ -22,9 +22,9 @@ import os
 import sys
 from typing import Any
 
-from training.errors import is_user_error, report
-
-LIGHTNING_SUBCOMMANDS = ("fit", "validate", "test")
+from training.console import quiet_third_party
+from training.errors import UserError, is_user_error, report
+from training.subcommands import LIGHTNING_SUBCOMMANDS
 # Plain commands: name → ("module:function", one-line help). The function takes the remaining argv and returns
 # an exit code; it is imported only when run, so `normlab prepare` does not pay for importing Lightning.
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -90,6 +90,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if argv else 2
     command = argv[0]
     _setup_logging()
+    quiet_third_party()
     try:
         return run_command(command, argv)
     except Exception as err:
@@ -108,11 +109,25 @@ def run_command(command: str, argv: list[str]) -> int:
         run_lightning(None if argv == sys.argv[1:] else argv)
         return 0
     if command in COMMANDS:
+        check_flag_style(argv[1:])
         module, function = COMMANDS[command][0].split(":")
         return int(getattr(importlib.import_module(module), function)(argv[1:]) or 0)
     sys.stderr.write(f"normlab: unknown command {command!r}; choose one of "
                      f"{[*LIGHTNING_SUBCOMMANDS, *COMMANDS]}\n\n{usage()}")
     return 2
+
+
+def check_flag_style(args: list[str]) -> None:
+    """One flag style across normlab: underscores, as LightningCLI spells `fit`'s (`--ckpt_path`) and cannot
+    change. A hyphenated flag — the plain commands' spelling before — is one error line naming the new one.
+    (argparse reads such a token as an option, never as a value, so no value is caught.)"""
+    for arg in args:
+        if arg == "--":  # positional arguments follow
+            return
+        flag = arg.split("=", 1)[0]
+        if flag.startswith("--") and "-" in flag[2:] and " " not in flag:  # (with a space argparse reads a value)
+            raise UserError(f"{flag}: normlab's flags are spelled with underscores (as `normlab fit`'s are): "
+                            f"use {'--' + flag[2:].replace('-', '_')}")
 
 
 def run_lightning(argv: list[str] | None) -> Any:

@@ -14,13 +14,13 @@ from training.errors import UserError, report
 def check_sampling(args: argparse.Namespace) -> None:
     """Refuse a sampling argument that would be silently meaningless, naming the flag and its valid range."""
     if args.max_new_tokens < 1:
-        raise UserError(f"--max-new-tokens {args.max_new_tokens} must be at least 1")
+        raise UserError(f"--max_new_tokens {args.max_new_tokens} must be at least 1")
     if not (math.isfinite(args.temperature) and args.temperature >= 0):
         raise UserError(f"--temperature {args.temperature} must be a finite number >= 0 (0 = greedy)")
     if args.top_k is not None and args.top_k < 1:
-        raise UserError(f"--top-k {args.top_k} must be at least 1 (or leave it out: no top-k cut)")
+        raise UserError(f"--top_k {args.top_k} must be at least 1 (or leave it out: no top-k cut)")
     if args.top_p is not None and not 0 < args.top_p <= 1:
-        raise UserError(f"--top-p {args.top_p} must be in (0, 1] (or leave it out: no nucleus cut)")
+        raise UserError(f"--top_p {args.top_p} must be in (0, 1] (or leave it out: no nucleus cut)")
     if args.device not in (None, "cpu") and not args.device.startswith("cuda"):
         raise UserError(f"--device {args.device!r} is not cpu or cuda[:N]")
     if args.device and args.device.startswith("cuda") and not torch.cuda.is_available():
@@ -31,10 +31,10 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="normlab generate", description=__doc__)
     ap.add_argument("--checkpoint", required=True, help="a step directory, a state-dict file or an export")
     ap.add_argument("--prompt", required=True)
-    ap.add_argument("--max-new-tokens", type=int, default=100)
+    ap.add_argument("--max_new_tokens", type=int, default=100)
     ap.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
-    ap.add_argument("--top-k", type=int, default=None, help="sample from the k most likely tokens (k >= 1)")
-    ap.add_argument("--top-p", type=float, default=None, help="nucleus sampling, 0 < p <= 1")
+    ap.add_argument("--top_k", type=int, default=None, help="sample from the k most likely tokens (k >= 1)")
+    ap.add_argument("--top_p", type=float, default=None, help="nucleus sampling, 0 < p <= 1")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default=None, help="cpu | cuda (default: cuda when available)")
     args = ap.parse_args(argv)

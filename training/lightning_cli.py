@@ -32,12 +32,13 @@ from data.prepare import DEFAULT_OUTPUT
 from training import compat
 from training.callbacks import NonFiniteGuard, RNGState, StepCheckpoint, Throughput, TrainingHealth
 from training.callbacks.progress import step_counting
+from training.callbacks.summary import log_closing_lines, with_norm_summary
 from training.checkpointing import branch, layout, resume
-from training.cli import LIGHTNING_SUBCOMMANDS
 from training.errors import UserError, is_user_error
 from training.lit_module import lit_lm
 from training.optim import OptimConfig
 from training.strategy import default_precision, is_deepspeed  # also registers --trainer.strategy zeroN
+from training.subcommands import LIGHTNING_SUBCOMMANDS
 
 # The default job: the defaults of `normlab fit | validate | test` are read from this file (the trainer settings,
 # seed, data and model sizes), so the file is exactly what `normlab fit` with no arguments runs.
@@ -154,6 +155,7 @@ class NormlabCLI(LightningCLI):
         trainer = compat.cli_instantiate_trainer(self, {**config, **kwargs}, compat.cli_callbacks(self))
         if not any(isinstance(c, ProgressBar) for c in config.get("callbacks") or []):  # none configured:
             trainer.callbacks[:] = [step_counting(c) for c in trainer.callbacks]  # Lightning's default bar
+        trainer.callbacks[:] = with_norm_summary(trainer.callbacks, config.get("callbacks") or [])
         # First of all callbacks: every other callback's on_train_batch_start must see the restored RNG stream.
         trainer.callbacks.insert(0, RNGState())
         if self._parent is not None:
@@ -200,3 +202,6 @@ class NormlabCLI(LightningCLI):
                 callback.resolved_config = text
                 callback.resume_from = load  # checked against the run before anything loads
                 callback.branched_from = lineage
+
+    def after_fit(self) -> None:
+        log_closing_lines(self.trainer, Path(self.trainer.default_root_dir) / layout.CONFIG_FILE)

@@ -26,9 +26,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--data", nargs="+", default=None, metavar="[NAME=]DIR",
                     help="prepared data directories, optionally named (default: the run's own validation set)")
     ap.add_argument("--split", default="val", help="which split to evaluate (default: val)")
-    ap.add_argument("--max-tokens", type=int, default=None,
+    ap.add_argument("--max_tokens", type=int, default=None,
                     help="evaluate about this many tokens, spread over the split (default: the run's validation set)")
-    ap.add_argument("--batch-size", type=int, default=8)
+    ap.add_argument("--batch_size", type=int, default=8)
     ap.add_argument("--device", default=None, help="cpu | cuda (default: cuda when available)")
     ap.add_argument("--output", type=Path, default=None,
                     help="write the numbers to this JSON file (one checkpoint: a dict for one set, {'sets': {name: "
@@ -36,9 +36,9 @@ def main(argv: list[str] | None = None) -> int:
     harness = ap.add_argument_group("downstream tasks (lm-evaluation-harness, `pip install -e \".[eval]\"`)")
     harness.add_argument("--tasks", default=None,
                          help="comma-separated harness tasks, e.g. hellaswag,arc_easy (instead of held-out loss)")
-    harness.add_argument("--num-fewshot", type=int, default=None, help="few-shot examples (default: the task's)")
+    harness.add_argument("--num_fewshot", type=int, default=None, help="few-shot examples (default: the task's)")
     harness.add_argument("--limit", type=int, default=None, help="at most this many examples per task")
-    harness.add_argument("--include-path", default=None, help="a directory of your own YAML task definitions")
+    harness.add_argument("--include_path", default=None, help="a directory of your own YAML task definitions")
     args = ap.parse_args(argv)
 
     try:

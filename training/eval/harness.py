@@ -131,7 +131,7 @@ def run_tasks(checkpoint: str | Path, tasks: list[str], num_fewshot: int | None 
     unknown = [t for t in tasks if not manager.match_tasks([t])]
     if unknown:
         raise ValueError(f"--tasks: unknown task {unknown[0]!r}; `lm-eval ls tasks` lists the harness's tasks, and "
-                         "--include-path DIR adds your own YAML task definitions")
+                         "--include_path DIR adds your own YAML task definitions")
     loaded = load_checkpoint(checkpoint, device=device)
     output = output or default_output(checkpoint, loaded.run_dir, loaded.step)
     if output is None:

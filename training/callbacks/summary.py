@@ -1,0 +1,105 @@
+"""What `normlab fit` says about the model at its start and about the run at its end (rank 0).
+
+`NormSummary` replaces Lightning's default model summary (`--trainer.enable_model_summary`, on by default; a
+summary callback the config names is left alone). Lightning's table lists one row, `model | Transformer`, and a
+FLOPs column that reads 0 for every model that does not run `measure_flops` (normlab's MFU comes from
+training/callbacks/throughput.py): what a normalization study compares is the norm axes and where the
+parameters are, so that is what it shows:
+
+    model: 7.4 M parameters — embedding 2.1 M, attention 1.0 M, MLP 2.1 M, norms 2.3 K, head 2.1 M
+    4 layers, dim 256, 8 heads (8 KV), MLP swiglu 704, vocab 8192, context 256
+    norm rmsnorm (eps 1e-05) · placement pre · QK-norm none · final norm yes · init normal (std 0.02)
+
+`closing_lines` is the run's last word: where everything went and the commands that come next.
+"""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.callbacks import Callback, ModelSummary, RichModelSummary
+from lightning.pytorch.utilities.model_summary.model_summary import get_human_readable_count
+
+from model import ModelConfig
+from training.checkpointing import layout
+
+log = logging.getLogger(__name__)
+
+# Parameter groups by name (model/transformer.py's module names), first match wins: a norm inside attention
+# (QK-norm) or a residual placement counts as a norm.
+GROUPS = (("norms", "norm"), ("embedding", "tok_embeddings"), ("attention", "attn"), ("MLP", "mlp"),
+          ("head", "output"))
+ORDER = ("embedding", "attention", "MLP", "norms", "head", "other")  # as the model computes
+
+
+def _numel(p: torch.Tensor) -> int:
+    return int(getattr(p, "ds_numel", 0) or p.numel())  # ZeRO-3 partitions a parameter: its full size
+
+
+def parameter_groups(model: torch.nn.Module) -> dict[str, int]:
+    """Parameter counts per group of GROUPS (others: "other"), in GROUPS' order; empty groups left out."""
+    counts = dict.fromkeys(ORDER, 0)
+    for name, p in model.named_parameters():
+        group = next((g for g, key in GROUPS if key in name), "other")
+        counts[group] += _numel(p)
+    return {g: n for g, n in counts.items() if n}
+
+
+def summary_lines(model: torch.nn.Module, cfg: ModelConfig) -> list[str]:
+    groups = parameter_groups(model)
+    def count(n: int) -> str:
+        return get_human_readable_count(n).strip()
+
+    parts = ", ".join(f"{g} {count(n)}" for g, n in groups.items())
+    tied = " (head tied to the embedding)" if cfg.tie_embeddings else ""
+    return [
+        f"model: {count(sum(groups.values()))} parameters — {parts}{tied}",
+        f"{cfg.n_layers} layers, dim {cfg.dim}, {cfg.n_heads} heads ({cfg.kv_heads} KV), MLP {cfg.mlp} "
+        f"{cfg.hidden_dim}, vocab {cfg.vocab_size}, context {cfg.max_seq_len}",
+        f"norm {cfg.norm} (eps {cfg.norm_eps:g}) · placement {cfg.placement} · QK-norm {cfg.qk_norm} · final norm "
+        f"{'yes' if cfg.has_final_norm else 'no'} · init {cfg.init} (std {cfg.init_std:g})",
+    ]
+
+
+class NormSummary(ModelSummary):
+    """The model summary above, on rank 0 as `fit` starts (Lightning's summary hook)."""
+
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if trainer.is_global_zero:
+            for line in summary_lines(pl_module.model, pl_module.config):
+                log.info(line)
+
+
+def with_norm_summary(callbacks: list[Callback], configured: list[Callback]) -> list[Callback]:
+    """`callbacks` with NormSummary in place of the summary Lightning adds by default (with the model summary
+    enabled and none among the `configured` callbacks, which are left as they are)."""
+    if any(isinstance(c, ModelSummary) for c in configured):
+        return list(callbacks)
+    return [NormSummary() if type(c) in (ModelSummary, RichModelSummary) else c for c in callbacks]
+
+
+def closing_lines(run_dir: str | Path, config_file: str | Path, max_steps: int) -> list[str]:
+    """Where the run went and what comes next: evaluate its last checkpoint, continue it (`--ckpt_path last`
+    with a later `max_steps`; the run's own config.yaml holds every other option it was started with)."""
+    run = Path(run_dir)
+    ckpts = layout.complete_checkpoints(run)
+    lines = [f"run directory: {run} (config.yaml, TensorBoard events)"]
+    if ckpts:
+        which = ckpts[0].name if len(ckpts) == 1 else f"{len(ckpts)}: {ckpts[0].name} … {ckpts[-1].name}"
+        lines.append(f"checkpoints:   {layout.checkpoints_dir(run)}/ ({which})")
+    lines.append(f"curves:        tensorboard --logdir {run}")
+    if ckpts:
+        lines.append(f"evaluate:      normlab evaluate --checkpoint {ckpts[-1]}")
+    more = f" --trainer.max_steps {2 * max_steps}" if max_steps > 0 else ""
+    lines.append(f"train on:      normlab fit -c {config_file} --ckpt_path last{more}")
+    return lines
+
+
+def log_closing_lines(trainer: Trainer, config_file: Any) -> None:
+    """`closing_lines` on rank 0, after `fit` returns."""
+    if trainer.is_global_zero:
+        for line in closing_lines(trainer.default_root_dir, config_file, trainer.max_steps):
+            log.info(line)

@@ -1,0 +1,66 @@
+"""What reaches a user's console from the libraries under normlab: the lines they cannot act on, silenced.
+
+`quiet_third_party()` runs first in every `normlab` command (training/cli.py `main`), on every rank (Lightning's
+spawned ranks and the launchers' re-enter `main` too). Each entry below names one message, by category and by
+the module that emits it, so that a new warning — and every warning about the user's own config, such as a
+Lightning `PossibleUserWarning` about too few workers or a deprecated trainer flag — still shows. A new entry
+needs a reason a user can do nothing about the message; tests/test_console.py fails on any line not normlab's.
+
+Nothing here imports Lightning, DeepSpeed or torch: `normlab prepare` must not pay for them, and the filters
+are in place before any of them is imported.
+"""
+from __future__ import annotations
+
+import logging
+import warnings
+
+# (category, message regex, emitting module regex, why a user cannot act on it). warnings.filterwarnings matches
+# the message from its start and the module against the `__name__` of the code that called warnings.warn.
+WARNINGS: tuple[tuple[type[Warning], str, str, str], ...] = (
+    # Lightning's own pytree helper builds a torch LeafSpec, which torch 2.10+ deprecates: Lightning's to fix.
+    (FutureWarning, r"`isinstance\(treespec, LeafSpec\)` is deprecated", r"lightning\.pytorch\.utilities\._pytree",
+     "Lightning internals"),
+    # normlab's token datasets are iterable with a length (the epoch size) and split their samples between
+    # DataLoader workers themselves (data/dataset.py), which is what this warning asks a dataset to do.
+    (UserWarning, r"Your `IterableDataset` has `__len__` defined", r"lightning\.pytorch\.utilities\.data",
+     "normlab's dataset already shards across workers"),
+    # Lightning sees `srun` on the PATH and advises prefixing the command with it. normlab's launchers
+    # (scripts/slurm.sbatch runs `srun normlab fit`, Lightning then reads the Slurm environment), torchrun,
+    # the deepspeed launcher and a sweep's local executor start their processes themselves: the advice is wrong.
+    (UserWarning, r"The `srun` command is available on your system but is not used",
+     r"lightning\.fabric\.plugins\.environments\.slurm", "wrong for normlab's launchers"),
+    # DeepSpeed's ZeRO collectives call torch.distributed.all_gather_into_tensor, deprecated in torch 2.10+.
+    (FutureWarning, r"`torch\.distributed\.all_gather_into_tensor` is deprecated", r"torch\.distributed\.c10d_logger",
+     "DeepSpeed internals"),
+)
+
+# (logger name, message prefix): log records (not warnings) dropped at the one logger that emits them.
+LOG_RECORDS: tuple[tuple[str, str], ...] = (
+    # An advertisement for a hosted logging service, on every fit, validate and test.
+    ("lightning.pytorch.utilities.rank_zero", "💡 Tip: For seamless cloud logging"),
+    ("lightning.fabric.utilities.rank_zero", "💡 Tip: For seamless cloud logging"),
+    # DeepSpeed on a machine without a GPU: Lightning's own "GPU available: False" line already says so.
+    ("DeepSpeed", "Setting accelerator to CPU. If you have GPU or other accelerator"),
+)
+
+
+class _DropPrefix(logging.Filter):
+    """Drops the records of one logger whose message starts with `prefix`."""
+
+    def __init__(self, prefix: str) -> None:
+        super().__init__()
+        self.prefix = prefix
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(self.prefix)
+
+
+def quiet_third_party() -> None:
+    """Install the filters above (idempotent: a second call, e.g. a test running several commands in one
+    process, adds nothing)."""
+    for category, message, module, _ in WARNINGS:
+        warnings.filterwarnings("ignore", message=message, category=category, module=module)
+    for name, prefix in LOG_RECORDS:
+        logger = logging.getLogger(name)  # the very logger the library creates later under that name
+        if not any(isinstance(f, _DropPrefix) and f.prefix == prefix for f in logger.filters):
+            logger.addFilter(_DropPrefix(prefix))

@@ -25,6 +25,7 @@ from typing import Any
 from training.console import quiet_third_party
 from training.errors import UserError, is_user_error, report
 from training.subcommands import LIGHTNING_SUBCOMMANDS
+
 # Plain commands: name → ("module:function", one-line help). The function takes the remaining argv and returns
 # an exit code; it is imported only when run, so `normlab prepare` does not pay for importing Lightning.
 COMMANDS: dict[str, tuple[str, str]] = {

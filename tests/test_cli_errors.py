@@ -4,6 +4,7 @@ plus one real subprocess to see what a shell sees."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -17,7 +18,7 @@ import torch
 from model import ModelConfig, Transformer
 from tests.helpers.multiproc import REPO
 from training.checkpointing import layout
-from training.cli import main
+from training.cli import COMMANDS, main
 from training.errors import DEBUG_ENV, UserError
 
 pytestmark = pytest.mark.filterwarnings("ignore:LightningCLI's args parameter")
@@ -123,6 +124,34 @@ def test_user_error_is_one_line(case, workdir, tmp_path, state_dict_file, capsys
     for part in expected:
         assert part in lines[-1], lines[-1]
     assert files_under(tmp_path) == before  # no partial output: no run directory, no temporary export
+
+
+def help_flags(command: str, capsys) -> list[str]:
+    with pytest.raises(SystemExit) as exit:
+        main([command, "--help"])
+    assert exit.value.code == 0
+    return sorted(set(re.findall(r"(?<![\w-])--[a-z][\w-]*", capsys.readouterr().out)) - {"--help"})
+
+
+@pytest.mark.parametrize("command", sorted(COMMANDS))
+def test_one_flag_style_and_the_old_spelling_names_the_new_one(command, capsys):
+    """Every plain command spells its flags as `fit` does (LightingCLI's underscores); the hyphenated spelling
+    they had before is one error line naming the new one, whether given as `--a-b v` or `--a-b=v`."""
+    flags = help_flags(command, capsys)
+    assert flags and not [f for f in flags if "-" in f[2:]], flags
+    for flag in (f for f in flags if "_" in f):
+        old = flag.replace("_", "-")
+        for argv in ([command, old, "1"], [command, f"{old}=1"]):
+            assert main(argv) == 2
+            assert capsys.readouterr().err == (f"normlab {command}: error: {old}: normlab's flags are spelled with "
+                                               f"underscores (as `normlab fit`'s are): use {flag}\n")
+
+
+def test_a_hyphenated_value_is_not_a_flag(state_dict_file, capsys):
+    """A value with a space is a value to argparse, however it starts: the check leaves it alone (the command gets
+    as far as loading the model, which has no tokenizer)."""
+    assert main(["generate", "--checkpoint", str(state_dict_file), "--prompt", "--not-a flag"]) == 2
+    assert "error: no tokenizer found" in capsys.readouterr().err
 
 
 def test_debug_shows_the_traceback_and_bugs_keep_theirs(workdir, tmp_path, state_dict_file, monkeypatch):

@@ -1,0 +1,140 @@
+"""What a user sees: every line `normlab` prints is normlab's own (its logger's `[HH:MM:SS name] ...` lines, the
+progress bar, a command's result) or in the short allow-list below, so a new third-party warning fails here
+rather than reaching a user's console. The runs are real subprocesses, as from a shell.
+
+A file named `srun` on the PATH is what makes Lightning print its Slurm hint (it looks the command up with
+`shutil.which`, nothing more): these runs take the same path as a cluster login node.
+"""
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+import pytest
+
+from tests.helpers.multiproc import REPO, run_normlab
+
+TINY = REPO / "tests" / "helpers" / "tiny.yaml"
+NORMLAB_LINE = re.compile(r"^\[\d\d:\d\d:\d\d [\w.]+\] ")  # training/cli.py's log format
+PROGRESS_BAR = re.compile(r"^(Training|Validation|Testing) +━")  # the step-counting Rich bar (callbacks/progress.py)
+ALLOWED = [re.compile(p) for p in (
+    # Lightning's start-up report: the seed, whether an accelerator was found and used — about the user's config.
+    r"^(\[rank: \d+\] )?Seed set to \d+$",
+    r"^GPU available: (True|False).*, used: (True|False)$",
+    r"^TPU available: ",
+    # One line per rank under DeepSpeed: every rank joined the job.
+    r"^initializing deepspeed distributed: GLOBAL_RANK: \d+, MEMBER: \d+/\d+$",
+    # Why training ended (max_steps reached), as Lightning says it.
+    r"^`Trainer\.fit` stopped: `max_steps=\d+` reached\.$",
+    # validate/test: which checkpoint was loaded, then Lightning's table of the results (box-drawing lines).
+    r"^Restoring states from the checkpoint path at ",
+    r"^Loaded model weights from the checkpoint at ",
+    r"^[┏┃┡│└]",
+    # Hugging Face's progress bar while export writes the weights: long for a large model, so worth its line.
+    r"^Writing model shards: ",
+)]
+
+
+def stray_lines(output: str, *results: str) -> list[str]:
+    """The lines of `output` that are neither normlab's own nor allowed; `results`: regexes of the command's own
+    result lines (what evaluate or generate prints to stdout)."""
+    allowed = [*ALLOWED, *(re.compile(r) for r in results)]
+    lines = [line.rstrip() for chunk in output.splitlines() for line in chunk.split("\r")]
+    return [line for line in lines if line.strip() and not NORMLAB_LINE.match(line)
+            and not PROGRESS_BAR.match(line) and not any(p.search(line) for p in allowed)]
+
+
+def console(args: list[str], cwd: Path, srun_dir: Path) -> str:
+    """`normlab <args>` with `srun` on the PATH and a wide terminal (one line per progress bar)."""
+    proc = run_normlab(args, cwd=cwd, PATH=os.pathsep.join([str(srun_dir), os.environ["PATH"]]), COLUMNS="200")
+    return proc.stdout + proc.stderr
+
+
+@pytest.fixture(scope="module")
+def srun_dir(tmp_path_factory) -> Path:
+    bin_dir = tmp_path_factory.mktemp("bin")
+    (bin_dir / "srun").write_text("#!/bin/sh\nexit 1\n")
+    (bin_dir / "srun").chmod(0o755)
+    return bin_dir
+
+
+def fit_args(workdir: Path, name: str, *extra: str) -> list[str]:
+    """tiny.yaml with the console a user gets by default: progress bar and model summary on."""
+    return ["fit", "-c", str(TINY), "--data.path", str(workdir / "tiny"), "--runs_dir", str(workdir / "runs"),
+            "--name", name, "--trainer.enable_progress_bar", "true", "--trainer.enable_model_summary", "true",
+            *extra]
+
+
+@pytest.fixture(scope="module")
+def plain_fit(workdir, srun_dir) -> tuple[Path, str]:
+    return workdir / "runs" / "plain", console(fit_args(workdir, "plain"), workdir, srun_dir)
+
+
+def test_fit_prints_only_normlab_lines(plain_fit):
+    _, output = plain_fit
+    assert stray_lines(output) == [], output
+    assert any(PROGRESS_BAR.match(line) for line in output.splitlines()), output  # the bar was on
+
+
+def test_the_srun_on_path_is_seen(srun_dir, monkeypatch):
+    """The fake `srun` does reach Lightning's check (else the tests here prove nothing about its hint)."""
+    from lightning.fabric.plugins.environments.slurm import SLURMEnvironment
+
+    monkeypatch.setenv("PATH", os.pathsep.join([str(srun_dir), os.environ["PATH"]]))
+    with pytest.warns(UserWarning, match="The `srun` command is available on your system but is not used"):
+        SLURMEnvironment._validate_srun_used()
+
+
+def test_model_summary_shows_parameters_and_norm_axes(plain_fit):
+    _, output = plain_fit
+    assert "FLOPs" not in output and "Non-trainable" not in output  # Lightning's table, with its zero columns
+    summary = [line for line in output.splitlines() if "training.callbacks.summary]" in line]
+    text = "\n".join(summary)
+    assert "model: 53.4 K parameters — embedding 10.2 K, attention 8.2 K, MLP 24.6 K, norms 160, head 10.2 K" in text
+    for axis in ("norm rmsnorm", "placement pre", "QK-norm none", "final norm yes", "init normal"):
+        assert axis in text
+    assert not re.search(r"(?<![\d.])0(?![\d.])", text.split("run directory")[0]), text  # no count reads 0
+
+
+def test_the_last_lines_say_where_the_run_went_and_what_comes_next(plain_fit):
+    run, output = plain_fit
+    lines = [line for line in output.splitlines() if line.strip()]
+    tail = "\n".join(lines[-5:])
+    last = run / "checkpoints" / "step-00000008"
+    for expected in (f"run directory: {run}", f"checkpoints:   {run / 'checkpoints'}/ (2: step-00000004 … "
+                     "step-00000008)", f"tensorboard --logdir {run}", f"normlab evaluate --checkpoint {last}",
+                     f"normlab fit -c {run / 'config.yaml'} --ckpt_path last --trainer.max_steps 16"):
+        assert expected in tail, tail
+
+
+@pytest.mark.parametrize("command", [pytest.param("validate", marks=pytest.mark.slow), "evaluate", "generate",
+                                     pytest.param("export", marks=pytest.mark.slow)])
+def test_other_commands_print_only_normlab_lines(command, plain_fit, workdir, srun_dir, tmp_path):
+    run, _ = plain_fit
+    ckpt = str(run / "checkpoints" / "step-00000008")
+    args, results = {
+        "validate": (["validate", "-c", str(run / "config.yaml"), "--ckpt_path", "last"], ()),
+        "evaluate": (["evaluate", "--checkpoint", ckpt], (r"^step 8: val loss ",)),
+        "generate": (["generate", "--checkpoint", ckpt, "--prompt", "the cat", "--max_new_tokens", "4",
+                      "--temperature", "0"], (r"^the cat",)),
+        "export": (["export", "--checkpoint", ckpt, "--output", str(tmp_path / "hf")], (r"^exported ",)),
+    }[command]
+    assert stray_lines(console(args, workdir, srun_dir), *results) == []
+
+
+@pytest.mark.slow
+def test_two_rank_zero2_fit_prints_only_normlab_lines(workdir, srun_dir):
+    """Two ranks under DeepSpeed (Lightning's launcher re-runs the command for rank 1): the same console, and the
+    summary and closing lines once, from rank 0."""
+    output = console(fit_args(workdir, "zero2", "--trainer.strategy", "zero2", "--trainer.devices", "2"), workdir,
+                     srun_dir)
+    assert stray_lines(output) == [], output
+    assert output.count("] model: ") == 1 and output.count("] run directory: ") == 1, output
+
+
+def test_stray_lines_catches_a_third_party_line():
+    output = ("[04:24:03 training.callbacks.throughput] MFU ...\n"
+              "/site-packages/lightning/pytorch/utilities/data.py:123: Your `IterableDataset` has `__len__`\n")
+    assert stray_lines(output) == ["/site-packages/lightning/pytorch/utilities/data.py:123: Your `IterableDataset` "
+                                   "has `__len__`"]

@@ -137,3 +137,21 @@ def test_stray_lines_catches_a_third_party_line():
               "/site-packages/lightning/pytorch/utilities/data.py:123: Your `IterableDataset` has `__len__`\n")
     assert stray_lines(output) == ["/site-packages/lightning/pytorch/utilities/data.py:123: Your `IterableDataset` "
                                    "has `__len__`"]
+
+
+def test_filters_are_scoped_and_debug_shows_everything(monkeypatch):
+    """Each filter names a category and the emitting module (never a blanket ignore); NORMLAB_DEBUG=1 adds none."""
+    import warnings
+
+    from training.console import quiet_third_party
+    from training.errors import DEBUG_ENV
+
+    with warnings.catch_warnings():
+        monkeypatch.setenv(DEBUG_ENV, "1")
+        quiet_third_party()
+        assert not any(f[0] == "ignore" and f[3] is not None and "lightning" in f[3].pattern for f in warnings.filters)
+        monkeypatch.delenv(DEBUG_ENV)
+        quiet_third_party()
+        ours = [f for f in warnings.filters if f[0] == "ignore" and f[3] is not None and f[1] is not None
+                and f[3].pattern.startswith(("lightning", "torch"))]
+        assert len(ours) == 4 and all(f[2] is not Warning for f in ours)

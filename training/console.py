@@ -6,13 +6,15 @@ the module that emits it, so that a new warning — and every warning about the 
 Lightning `PossibleUserWarning` about too few workers or a deprecated trainer flag — still shows. A new entry
 needs a reason a user can do nothing about the message; tests/test_console.py fails on any line not normlab's.
 
-Nothing here imports Lightning, DeepSpeed or torch: `normlab prepare` must not pay for them, and the filters
-are in place before any of them is imported.
+`NORMLAB_DEBUG=1` installs none of them: everything prints. Nothing here imports Lightning, DeepSpeed or torch:
+`normlab prepare` must not pay for them, and the filters are in place before any of them is imported.
 """
 from __future__ import annotations
 
 import logging
 import warnings
+
+from training.errors import debug
 
 # (category, message regex, emitting module regex, why a user cannot act on it). warnings.filterwarnings matches
 # the message from its start and the module against the `__name__` of the code that called warnings.warn.
@@ -57,7 +59,9 @@ class _DropPrefix(logging.Filter):
 
 def quiet_third_party() -> None:
     """Install the filters above (idempotent: a second call, e.g. a test running several commands in one
-    process, adds nothing)."""
+    process, adds nothing). NORMLAB_DEBUG=1 leaves every line in, as it leaves every traceback."""
+    if debug():
+        return
     for category, message, module, _ in WARNINGS:
         warnings.filterwarnings("ignore", message=message, category=category, module=module)
     for name, prefix in LOG_RECORDS:

@@ -155,3 +155,20 @@ def test_filters_are_scoped_and_debug_shows_everything(monkeypatch):
         ours = [f for f in warnings.filters if f[0] == "ignore" and f[3] is not None and f[1] is not None
                 and f[3].pattern.startswith(("lightning", "torch"))]
         assert len(ours) == 4 and all(f[2] is not Warning for f in ours)
+
+
+def test_closing_lines_continue_a_stopped_run_as_it_is(tmp_path):
+    """A run stopped before max_steps (a signal, a time limit) resumes with its own max_steps; a finished one is
+    told to raise it; a run without a complete checkpoint has nothing to evaluate."""
+    from training.callbacks.summary import closing_lines
+    from training.checkpointing import layout
+
+    run = tmp_path / "run"
+    assert not any("evaluate" in line or "checkpoints:" in line for line in closing_lines(run, "c.yaml", 0, 300))
+    ckpt = layout.checkpoints_dir(run) / layout.step_dirname(100)
+    ckpt.mkdir(parents=True)
+    (ckpt / layout.MANIFEST).write_text('{"step": 100, "format": "lightning"}')
+    stopped, finished = closing_lines(run, "c.yaml", 150, 300), closing_lines(run, "c.yaml", 300, 300)
+    assert stopped[-1].endswith("normlab fit -c c.yaml --ckpt_path last")
+    assert finished[-1].endswith("--ckpt_path last --trainer.max_steps 600")
+    assert f"normlab evaluate --checkpoint {ckpt}" in stopped[-2]

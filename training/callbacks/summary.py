@@ -81,9 +81,10 @@ def with_norm_summary(callbacks: list[Callback], configured: list[Callback]) -> 
     return [NormSummary() if type(c) in (ModelSummary, RichModelSummary) else c for c in callbacks]
 
 
-def closing_lines(run_dir: str | Path, config_file: str | Path, max_steps: int) -> list[str]:
-    """Where the run went and what comes next: evaluate its last checkpoint, continue it (`--ckpt_path last`
-    with a later `max_steps`; the run's own config.yaml holds every other option it was started with)."""
+def closing_lines(run_dir: str | Path, config_file: str | Path, step: int, max_steps: int) -> list[str]:
+    """Where the run went and what comes next: evaluate its last checkpoint, continue it (`--ckpt_path last`,
+    with a later `max_steps` once `step` reached it — a stopped run resumes as it is; the run's own config.yaml
+    holds every other option it was started with)."""
     run = Path(run_dir)
     ckpts = layout.complete_checkpoints(run)
     lines = [f"run directory: {run} (config.yaml, TensorBoard events)"]
@@ -93,7 +94,7 @@ def closing_lines(run_dir: str | Path, config_file: str | Path, max_steps: int) 
     lines.append(f"curves:        tensorboard --logdir {run}")
     if ckpts:
         lines.append(f"evaluate:      normlab evaluate --checkpoint {ckpts[-1]}")
-    more = f" --trainer.max_steps {2 * max_steps}" if max_steps > 0 else ""
+    more = f" --trainer.max_steps {2 * max_steps}" if 0 < max_steps <= step else ""
     lines.append(f"train on:      normlab fit -c {config_file} --ckpt_path last{more}")
     return lines
 
@@ -101,5 +102,6 @@ def closing_lines(run_dir: str | Path, config_file: str | Path, max_steps: int) 
 def log_closing_lines(trainer: Trainer, config_file: Any) -> None:
     """`closing_lines` on rank 0, after `fit` returns."""
     if trainer.is_global_zero:
-        for line in closing_lines(trainer.default_root_dir, config_file, trainer.max_steps):
+        for line in closing_lines(trainer.default_root_dir, config_file, trainer.global_step,
+                                  trainer.max_steps):
             log.info(line)

@@ -24,7 +24,7 @@ def fit_with_tasks(workdir: Path, name: str, *extra: str) -> Path:
     tasks = write_task(workdir / f"tasks-{name}")
     run_normlab(["fit", "-c", str(TINY), "--data.path", str(workdir / "tiny"), "--runs_dir", str(workdir / "runs"),
                  "--name", name, "--eval.tasks", TASK, "--eval.include_path", str(tasks),
-                 "--eval.every_n_steps", "4", *extra], cwd=workdir)
+                 "--eval.every_n_steps", "4", *extra], cwd=workdir, timeout=900)
     return workdir / "runs" / name
 
 

@@ -14,6 +14,8 @@ settings. `eval/seconds` is the wall time of each evaluation. The task data is r
 """
 from __future__ import annotations
 
+import contextlib
+import io
 import logging
 import time
 from pathlib import Path
@@ -85,7 +87,8 @@ class DownstreamEval(Callback):
         try:
             lm = NormlabLM(model, trainer.datamodule.tokenizer_path, self.batch_size, str(pl_module.device),
                            distributed=trainer.world_size > 1)
-            with torch.no_grad(), trainer.precision_plugin.forward_context():
+            # The harness's progress bars are not the training console's (normlab logs the result below).
+            with torch.no_grad(), trainer.precision_plugin.forward_context(), contextlib.redirect_stderr(io.StringIO()):
                 results = tasks.score(lm, self._task_set)
         finally:
             model.train(was_training)

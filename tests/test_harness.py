@@ -11,16 +11,16 @@ import pytest
 
 from tests.helpers.data import WORDS
 from tests.helpers.multiproc import REPO, run_normlab
+from tests.helpers.tasks import TASK, write_task
 from training.eval.cli import main as evaluate_main
 
 HELPERS = REPO / "tests" / "helpers"
-TASK = "normlab_tiny_mc"
 MISSING = 'lm-evaluation-harness is the optional extra: pip install -e ".[eval]"'
 
 
 def test_missing_extra_is_one_clear_line(monkeypatch, capsys, tmp_path):
     monkeypatch.setitem(sys.modules, "lm_eval", None)  # as if not installed: importing it fails
-    monkeypatch.delitem(sys.modules, "training.eval.harness", raising=False)
+    monkeypatch.delitem(sys.modules, "training.eval.tasks", raising=False)
     assert evaluate_main(["--checkpoint", str(tmp_path), "--tasks", "hellaswag"]) == 2
     assert capsys.readouterr().err == ('normlab evaluate: error: --tasks needs lm-evaluation-harness, which is not '
                                        'installed: pip install -e ".[eval]"\n')
@@ -37,44 +37,17 @@ def exported(workdir) -> tuple[Path, Path]:
     return ckpt, workdir / "hf"
 
 
-def write_task(root: Path) -> Path:
-    """A multiple-choice task over 12 local items: which word continues a phrase of the tiny corpus."""
-    rng = random.Random(0)
-    items = []
-    for _ in range(12):
-        choices = rng.sample(WORDS, 4)
-        items.append({"question": " ".join(rng.choice(WORDS) for _ in range(rng.randint(0, 6))),
-                      "choices": [f" {c}" for c in choices], "answer": rng.randrange(4)})
-    items[0]["question"] = ""  # an empty context: conditioned on BOS/EOS, as `hf` does
-    (root / "items.jsonl").write_text("".join(json.dumps(item) + "\n" for item in items))
-    (root / f"{TASK}.yaml").write_text(f"""task: {TASK}
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {root / 'items.jsonl'}
-test_split: test
-output_type: multiple_choice
-doc_to_text: "{{{{question}}}}"
-target_delimiter: ""
-doc_to_choice: "{{{{choices}}}}"
-doc_to_target: answer
-metric_list:
-  - metric: acc
-""")
-    return root
-
-
 @pytest.mark.slow
 def test_multiple_choice_equals_the_harness_hf_model_on_the_export(exported, tmp_path, capsys):
     pytest.importorskip("lm_eval", reason=MISSING)
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
 
-    from training.eval.harness import run_tasks
+    from training.eval.tasks import run_tasks
 
     ckpt, hf_dir = exported
     tasks = write_task(tmp_path)
-    ours = run_tasks(ckpt, [TASK], batch_size=5, include_path=str(tasks), log_samples=True)
+    ours = run_tasks(ckpt, [TASK], batch_size=5, include_path=str(tasks))
     theirs = simple_evaluate(model="hf", model_args={"pretrained": str(hf_dir), "dtype": "float32", "device": "cpu"},
                              tasks=[TASK], batch_size=3, task_manager=TaskManager(include_path=str(tasks)),
                              log_samples=True, bootstrap_iters=0)
@@ -88,7 +61,8 @@ def test_multiple_choice_equals_the_harness_hf_model_on_the_export(exported, tmp
             assert abs(ours_ll - ref_ll) <= 1e-4 and ours_greedy == ref_greedy, doc_id
     # The harness's results JSON sits beside the run's other results.
     written = json.loads((ckpt.parent.parent / "eval" / "lm_eval" / "step-00000004.json").read_text())
-    assert written["results"][TASK]["acc,none"] == ours["results"][TASK]["acc,none"]
+    assert written["results"]["results"][TASK]["acc,none"] == ours["results"][TASK]["acc,none"]
+    assert written["metrics"][TASK]["acc"] == ours["metrics"][TASK]["acc"]
 
 
 @pytest.mark.slow

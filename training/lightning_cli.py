@@ -9,6 +9,7 @@ Config groups (all settable in YAML via `-c` and as dotted flags):
   guard.*       NonFiniteGuard (`--guard.policy abort|skip`, `--guard.max_consecutive_skips`, spike dumps:
                 `--guard.dump_spike_z`, `--guard.max_dumps`)
   throughput.*  Throughput (`--throughput.peak_tflops`)
+  eval.*        DownstreamEval: harness tasks in the loop (`--eval.tasks arc_easy --eval.every_n_steps 1000`)
   name, runs_dir, ckpt_path, branch_from, seed_everything
 
 `--branch_from <run>/checkpoints/step-X` starts a new run (`--name`) from another run's checkpoint with its own
@@ -31,6 +32,7 @@ from data.datamodule import TokenDataModule
 from data.prepare import DEFAULT_OUTPUT
 from training import compat
 from training.callbacks import NonFiniteGuard, RNGState, StepCheckpoint, Throughput, TrainingHealth
+from training.callbacks.downstream import DownstreamEval
 from training.callbacks.progress import step_counting
 from training.callbacks.summary import log_closing_lines, with_norm_summary
 from training.checkpointing import branch, layout, resume
@@ -99,6 +101,7 @@ class NormlabCLI(LightningCLI):
         parser.add_lightning_class_args(Throughput, "throughput")
         parser.add_lightning_class_args(TrainingHealth, "metrics")
         parser.add_lightning_class_args(NonFiniteGuard, "guard")
+        parser.add_lightning_class_args(DownstreamEval, "eval")  # harness tasks in the loop
 
     def before_instantiate_classes(self) -> None:
         config = self.config[self.subcommand]

@@ -2,8 +2,9 @@
 lm-evaluation-harness tasks.
 
 `--checkpoint` takes one checkpoint (scored by `training/eval/heldout.py`), a run directory `runs/NAME` (every
-checkpoint of the run: `training/eval/history.py`), and `--tasks` runs harness tasks (`training/eval/harness.py`).
-The numbers go into the run's TensorBoard (`eval/<set>/loss|ppl|bpb` at the checkpoint's step).
+checkpoint of the run: `training/eval/history.py`), and `--tasks` runs harness tasks on either
+(`training/eval/tasks.py`). The numbers go into the run's TensorBoard (`eval/<set>/loss|ppl|bpb`,
+`eval/<task>/acc|acc_norm|bpb` at the checkpoint's step).
 """
 from __future__ import annotations
 
@@ -63,23 +64,29 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run_tasks(args: argparse.Namespace, run_dir: bool) -> int:
-    """`--tasks`: the harness on one checkpoint (its errors are CheckpointError/ValueError, reported by main)."""
+    """`--tasks`: the harness on one checkpoint, or on every checkpoint of a run not yet scored with the same
+    settings (its errors are CheckpointError/ValueError, reported by main)."""
     try:
-        from training.eval.harness import run_tasks
+        from training.eval import tasks as downstream
     except ModuleNotFoundError as err:
         if (err.name or "").split(".")[0] != "lm_eval":
             raise
         return report("evaluate", UserError('--tasks needs lm-evaluation-harness, which is not installed: '
                                             'pip install -e ".[eval]"'))
-    if run_dir or args.data:
-        raise ValueError("--tasks takes one checkpoint (a step directory or an export) and no --data")
-    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
-    results = run_tasks(args.checkpoint, tasks, args.num_fewshot, args.limit, args.batch_size, args.device,
-                        args.output, args.include_path)
-    for task, metrics in results["results"].items():
-        shown = ", ".join(f"{k.split(',')[0]} {v:.4f}" for k, v in metrics.items()
-                          if isinstance(v, float) and "_stderr" not in k)
-        print(f"{task}: {shown}")
+    if args.data:
+        raise ValueError("--tasks scores harness tasks and takes no --data")
+    names = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    options = {"num_fewshot": args.num_fewshot, "limit": args.limit, "batch_size": args.batch_size,
+               "device": args.device, "include_path": args.include_path}
+    if run_dir:
+        if args.output is not None:
+            raise ValueError("--output: a run's results go to <run>/eval/lm_eval/; leave --output out, or evaluate "
+                             "one checkpoint directory")
+        for step, metrics in downstream.evaluate_run_tasks(args.checkpoint, names, **options).items():
+            print(f"step {step}: {downstream.summary_line(metrics)}")
+        return 0
+    results = downstream.run_tasks(args.checkpoint, names, output=args.output, **options)
+    print(downstream.summary_line(results["metrics"]))
     return 0
 
 

@@ -1,86 +1,100 @@
-"""`normlab evaluate --tasks ...`: downstream tasks through lm-evaluation-harness (the optional `[eval]` extra).
-
-`NormlabLM` wraps a loaded normlab model as a harness `TemplateLM`, so the harness's own code turns each task
-into requests (few-shot contexts, the split of context and continuation into tokens) exactly as for its Hugging
-Face model `hf`; only the scoring is ours:
+"""lm-evaluation-harness's model interface for normlab: `NormlabLM` wraps a normlab model (a loaded checkpoint,
+or the live model of a training run) as a harness `TemplateLM`, so the harness's own code turns each task into
+requests (few-shot contexts, the split of context and continuation into tokens) exactly as for its Hugging Face
+model `hf`; only the scoring is ours:
 - `loglikelihood`: the requests sorted by length, right-padded into batches (causal attention: padding after a
-  sequence cannot change its logits), log-softmax in fp32 over the continuation's positions;
+  sequence cannot change its logits), log-softmax in fp32 over the continuation's positions. Inside a training
+  run on several ranks, the batches are dealt out to the ranks (each scores its share; every rank runs the same
+  number of forwards, which ZeRO-3's collective parameter gathers need) and the answers are gathered once per
+  call, so every rank ends with all of them;
 - `loglikelihood_rolling`: the harness's rolling windows of `max_seq_len` tokens, scored the same way;
 - `generate_until`: `model.generate` (KV cache), greedy unless the task asks to sample, cut at the first stop
-  string.
-Tokens are the run's sentencepiece ids, which `normlab export`'s `tokenizer.json` reproduces; an empty context
-is conditioned on BOS (EOS when the tokenizer has none), as `hf` does.
+  string (one process only).
+Tokens are the run's own tokenizer's ids, which `normlab export`'s `tokenizer.json` reproduces; an empty context
+is conditioned on BOS (EOS when the tokenizer has none), as `hf` does. Which tasks, how they are scored and where
+the numbers go: `training/eval/tasks.py`.
 """
 from __future__ import annotations
 
-import json
-import logging
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
-from lm_eval import simple_evaluate, utils
+from lm_eval import utils
 from lm_eval.api.model import TemplateLM
-from lm_eval.tasks import TaskManager
 from tqdm import tqdm
 
+from data.layout import load_tokenizer
 from model.generate import generate
-from training.checkpointing.layout import write_text_atomic
-from training.checkpointing.load import CheckpointError, load_checkpoint
-
-log = logging.getLogger(__name__)
-
-HARNESS_DIR = "lm_eval"  # runs/NAME/eval/lm_eval/step-XXXXXXXX.json
 
 
 class NormlabLM(TemplateLM):
-    """A normlab `Transformer` and its sentencepiece tokenizer as an lm-evaluation-harness model."""
+    """A normlab `Transformer` and its tokenizer as an lm-evaluation-harness model. `distributed`: split the
+    scoring across the ranks of the initialized process group (in a training run); the harness itself sees one
+    process, so every rank builds the same requests and gets the same results."""
 
-    def __init__(self, model: torch.nn.Module, tokenizer_path: Path, batch_size: int = 8, device: str = "cpu") -> None:
-        import sentencepiece as spm
-
+    def __init__(self, model: torch.nn.Module, tokenizer_path: Path, batch_size: int = 8, device: str = "cpu",
+                 distributed: bool = False) -> None:
         super().__init__()
-        self.model, self.batch_size, self._device = model.eval(), batch_size, torch.device(device)
-        self.sp = spm.SentencePieceProcessor(model_file=str(tokenizer_path))
+        self.model, self.batch_size, self._device = model, batch_size, torch.device(device)
+        self.tokenizer = load_tokenizer(tokenizer_path)
         self.max_length = model.cfg.max_seq_len
+        self._ranks = (dist.get_rank(), dist.get_world_size()) if distributed and dist.is_initialized() else (0, 1)
 
     @property
     def eot_token_id(self) -> int:
-        return self.sp.eos_id()
+        return self.tokenizer.eos_id
 
     @property
     def prefix_token_id(self) -> int:
-        return self.sp.bos_id() if self.sp.bos_id() >= 0 else self.sp.eos_id()
+        return self.tokenizer.bos_id if self.tokenizer.bos_id >= 0 else self.tokenizer.eos_id
 
     def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs: Any) -> list[int]:
-        return self.sp.encode(string)  # no BOS/EOS added: the exported tokenizer.json adds none either
+        return self.tokenizer.encode_batch([string])[0]  # no BOS/EOS added: the exported tokenizer adds none
 
     def tok_decode(self, tokens: list[int]) -> str:
-        return self.sp.decode(tokens)
+        return self.tokenizer.decode(tokens)
 
     @torch.no_grad()
     def _loglikelihood_tokens(self, requests: list[tuple[Any, list[int], list[int]]], disable_tqdm: bool = False,
                               **kwargs: Any) -> list[tuple[float, bool]]:
         # Longest first, so each batch pads little (the order of the answers is restored below).
         order = sorted(range(len(requests)), key=lambda i: -len(requests[i][1]) - len(requests[i][2]))
-        answers: list[tuple[float, bool]] = [(0.0, False)] * len(requests)
-        for b in tqdm(range(0, len(order), self.batch_size), desc="loglikelihood", disable=disable_tqdm):
-            batch = order[b:b + self.batch_size]
-            # As `hf`: the last max_length + 1 tokens of context + continuation, the last one only a target.
-            inputs = [(requests[i][1] + requests[i][2])[-(self.max_length + 1):][:-1] for i in batch]
-            width = max(len(x) for x in inputs)
-            padded = torch.tensor([x + [0] * (width - len(x)) for x in inputs], device=self._device)
-            logprobs = F.log_softmax(self.model(padded).float(), dim=-1)
-            for row, i in enumerate(batch):
-                continuation = requests[i][2]
-                end = len(inputs[row])
-                lp = logprobs[row, end - len(continuation):end]
-                target = torch.tensor(continuation, device=self._device)
-                answer = (lp.gather(-1, target[:, None]).sum().item(), bool((lp.argmax(-1) == target).all()))
-                answers[i] = answer
-                if requests[i][0] is not None:
-                    self.cache_hook.add_partial("loglikelihood", requests[i][0], answer)
+        batches = [order[b:b + self.batch_size] for b in range(0, len(order), self.batch_size)]
+        rank, world = self._ranks
+        mine = batches[rank::world]
+        rounds = -(-len(batches) // world)  # every rank runs this many forwards (ZeRO-3 gathers are collective)
+        scored: dict[int, tuple[float, bool]] = {}
+        for r in tqdm(range(rounds), desc="loglikelihood", disable=disable_tqdm or world > 1):
+            batch = mine[r] if r < len(mine) else batches[0]  # a rank with no batch left repeats one, unused
+            answers = self._score_batch([requests[i] for i in batch])
+            if r < len(mine):
+                scored.update(zip(batch, answers, strict=True))
+        if world > 1:
+            shares: list[Any] = [None] * world
+            dist.all_gather_object(shares, scored)
+            scored = {i: answer for share in shares for i, answer in share.items()}
+        answers_in_order = [scored[i] for i in range(len(requests))]
+        for request, answer in zip(requests, answers_in_order, strict=True):
+            if request[0] is not None:
+                self.cache_hook.add_partial("loglikelihood", request[0], answer)
+        return answers_in_order
+
+    def _score_batch(self, requests: list[tuple[Any, list[int], list[int]]]) -> list[tuple[float, bool]]:
+        """(log-likelihood of the continuation, whether it is the greedy one) for each request of one batch."""
+        # As `hf`: the last max_length + 1 tokens of context + continuation, the last one only a target.
+        inputs = [(context + continuation)[-(self.max_length + 1):][:-1] for _, context, continuation in requests]
+        width = max(len(x) for x in inputs)
+        padded = torch.tensor([x + [0] * (width - len(x)) for x in inputs], device=self._device)
+        logprobs = F.log_softmax(self.model(padded).float(), dim=-1)
+        answers = []
+        for row, (_, _, continuation) in enumerate(requests):
+            end = len(inputs[row])
+            lp = logprobs[row, end - len(continuation):end]
+            target = torch.tensor(continuation, device=self._device)
+            answers.append((lp.gather(-1, target[:, None]).sum().item(), bool((lp.argmax(-1) == target).all())))
         return answers
 
     def loglikelihood_rolling(self, requests: list[Any], disable_tqdm: bool = False) -> list[float]:
@@ -96,6 +110,9 @@ class NormlabLM(TemplateLM):
 
     @torch.no_grad()
     def generate_until(self, requests: list[Any], disable_tqdm: bool = False) -> list[str]:
+        if self._ranks[1] > 1:
+            raise ValueError("generation tasks are not scored inside a multi-rank training run; evaluate them on a "
+                             "checkpoint with `normlab evaluate --tasks`")
         out = []
         for context, gen_kwargs in tqdm([r.args for r in requests], desc="generate_until", disable=disable_tqdm):
             kwargs = dict(gen_kwargs)
@@ -112,54 +129,3 @@ class NormlabLM(TemplateLM):
             self.cache_hook.add_partial("generate_until", (context, gen_kwargs), text)
             out.append(text)
         return out
-
-
-def default_output(checkpoint: str | Path, run_dir: Path | None, step: int | None) -> Path | None:
-    """`runs/NAME/eval/lm_eval/step-XXXXXXXX.json` for a checkpoint of a run (beside the other results)."""
-    if run_dir is None or step is None:
-        return None
-    return run_dir / "eval" / HARNESS_DIR / f"{Path(checkpoint).name}.json"
-
-
-def run_tasks(checkpoint: str | Path, tasks: list[str], num_fewshot: int | None = None, limit: int | None = None,
-              batch_size: int = 8, device: str | None = None, output: Path | None = None,
-              include_path: str | None = None, log_samples: bool = False) -> dict[str, Any]:
-    """Run harness `tasks` on a normlab checkpoint; writes the harness's results JSON to `output` (default:
-    `default_output`) and returns the results (with per-item `samples` when `log_samples`)."""
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    manager = TaskManager(include_path=include_path)
-    unknown = [t for t in tasks if not manager.match_tasks([t])]
-    if unknown:
-        raise ValueError(f"--tasks: unknown task {unknown[0]!r}; `lm-eval ls tasks` lists the harness's tasks, and "
-                         "--include_path DIR adds your own YAML task definitions")
-    loaded = load_checkpoint(checkpoint, device=device)
-    output = output or default_output(checkpoint, loaded.run_dir, loaded.step)
-    if output is None:
-        raise ValueError(f"--tasks: '{checkpoint}' is not a checkpoint of a run; say where the results go with "
-                         "--output FILE.json")
-    if loaded.tokenizer_path is None or not loaded.tokenizer_path.is_file():
-        raise CheckpointError(f"'{checkpoint}': its tokenizer.model is not found (the run's data directory moved?); "
-                              "evaluate an export of it (`normlab export`), which carries the tokenizer")
-    lm = NormlabLM(loaded.model, loaded.tokenizer_path, batch_size, device)
-    results = simple_evaluate(model=lm, tasks=tasks, num_fewshot=num_fewshot, limit=limit, task_manager=manager,
-                              log_samples=log_samples, bootstrap_iters=0)
-    summary = {k: v for k, v in results.items() if k != "samples"}
-    summary["normlab"] = {"checkpoint": str(checkpoint), "step": loaded.step}
-    output.parent.mkdir(parents=True, exist_ok=True)
-    write_text_atomic(output, json.dumps(summary, indent=2, default=utils.handle_non_serializable) + "\n")
-    log.info("harness results: %s", output)
-    if loaded.run_dir is not None and loaded.step is not None:
-        _log_to_tensorboard(loaded.run_dir, loaded.step, results["results"])
-    return results
-
-
-def _log_to_tensorboard(run_dir: Path, step: int, task_results: dict[str, dict[str, Any]]) -> None:
-    """`eval/lm_eval/<task>/<metric>` (e.g. `acc,none` → `acc`) at the checkpoint's step."""
-    from torch.utils.tensorboard import SummaryWriter
-
-    with SummaryWriter(str(run_dir)) as writer:
-        for task, metrics in task_results.items():
-            for key, value in metrics.items():
-                if isinstance(value, (int, float)) and not isinstance(value, bool) and "_stderr" not in key:
-                    writer.add_scalar(f"eval/lm_eval/{task}/{key.replace(',none', '').replace(',', '/')}", value,
-                                      step)

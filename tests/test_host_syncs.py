@@ -93,3 +93,36 @@ def test_at_most_one_host_sync_per_optimizer_step(counted):
     for step in STEADY:
         reads = counted.per_step[step]
         assert len(reads) <= BOUND, (step, Counter(reads).most_common())
+
+
+# ---- fused AdamW: one kernel per update, its step counters on the GPU (no host reads of them) ----------------
+def _optimizer(device: str) -> torch.optim.Optimizer:
+    from model import Transformer
+    from tests.helpers.model import tiny_config
+    from training.optim import OptimConfig, build_optimizer
+
+    return build_optimizer(Transformer(tiny_config()).to(device), OptimConfig(), total_steps=10)[0]
+
+
+def test_fused_adamw_is_chosen_only_when_every_parameter_is_on_cuda():
+    from training.optim import use_fused
+
+    class OnCuda:  # stands for a CUDA parameter, which this machine cannot make
+        is_cuda = True
+
+    cpu = torch.nn.Parameter(torch.zeros(2))
+    assert use_fused([{"params": [OnCuda(), OnCuda()]}, {"params": [OnCuda()]}])
+    assert not use_fused([{"params": [OnCuda()]}, {"params": [cpu]}])  # one parameter elsewhere: not fused
+    assert not use_fused([])
+    assert not _optimizer("cpu").defaults["fused"]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_fit_builds_fused_adamw_on_cuda():
+    optimizer = _optimizer("cuda")
+    assert optimizer.defaults["fused"] is True
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    for p in params:
+        p.grad = torch.ones_like(p)
+    optimizer.step()  # the fused kernel runs
+    assert all(state["step"].is_cuda for state in optimizer.state.values())

@@ -65,7 +65,9 @@ def _scaler_skips_overflows(trainer: Trainer, deepspeed: bool) -> bool:
     """fp16 with a dynamic loss scale: the scaler itself skips a step whose gradient overflowed."""
     if deepspeed:
         engine = trainer.strategy.deepspeed_engine
-        return bool(engine.fp16_enabled() and engine.dynamic_loss_scale())
+        # fp16 autocast (16-mixed, training/strategy.py): the ZeRO optimizer's own torch GradScaler
+        autocast_scaler = getattr(engine.optimizer, "torch_autocast_gradscaler", None) is not None
+        return bool(engine.fp16_enabled() and engine.dynamic_loss_scale()) or autocast_scaler
     return getattr(trainer.precision_plugin, "scaler", None) is not None
 
 

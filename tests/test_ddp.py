@@ -95,7 +95,7 @@ def test_resume_on_one_rank_with_the_same_global_batch(workdir, reference):
     run_normlab(fit_args(workdir, "one-rank", "--ckpt_path", str(ckpt(workdir, "reference", 6)),
                          "--trainer.accumulate_grad_batches", "4", devices=1), cwd=workdir)
     manifest = json.loads((ckpt(workdir, "one-rank", 8) / "manifest.json").read_text())
-    assert manifest["world_size"] == 1 and manifest["tokens_seen"] == 8 * 16 * 4 * 16
+    assert manifest["world_size"] == 1 and manifest["tokens_seen"] == 8 * 16 * 16  # updates · samples · seq_len
     losses = scalars(workdir / "runs" / "one-rank", "train/loss")
     assert sorted(losses) == [7, 8]
     assert losses == pytest.approx({s: v for s, v in scalars(reference, "train/loss").items() if s > 6}, rel=1e-5)

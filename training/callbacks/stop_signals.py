@@ -59,9 +59,9 @@ class StopSignals:
         for signum, handler in self._previous.items():
             signal.signal(signum, handler)
         self._previous = {}
-        if self._work is not None:  # every rank started the same all-reduces: finish the last one
-            self._work.wait()
-            self._work = None
+        # The last all-reduce finishes in gloo's own thread (every rank started the same ones). Not waited for:
+        # after an exception on one rank the others may never reach it.
+        self._flags = self._work = None
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         name = signal.Signals(signum).name

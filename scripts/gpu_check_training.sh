@@ -5,9 +5,12 @@
 #   - resume of the ZeRO-2 run with --ckpt_path last; consolidation of the ZeRO-3 checkpoint;
 #   - throughput / MFU against the GPU's datasheet peak;
 #   - fp16 (16-mixed) with and without ZeRO-2 under the default guard (abort): the loss scaler's routine early
-#     overflows must be logged as guard/scaler_overflows, not abort the run (CPU cannot run fp16).
+#     overflows must be logged as guard/scaler_overflows, not abort the run (CPU cannot run fp16);
+#   - `normlab fit` itself on configs/gpu_125m.yaml, one GPU: eager, `--model.compile true`,
+#     `--model.activation_checkpointing true` and ZeRO-2 — tokens/s, MFU and peak memory as fit logs them
+#     (throughput/*), the numbers docs/strategies.md waits for; and the GPU-only tests (fused AdamW).
 #
-#   DATA=data_cache/default OUT=/some/dir bash scripts/gpu_check_training.sh      (~3-4 minutes on one H200)
+#   DATA=data_cache/default OUT=/some/dir bash scripts/gpu_check_training.sh      (~6-8 minutes on one H200)
 #
 # Every step logs to $OUT/<step>.txt; $OUT/summary.txt collects exit codes and the logged numbers.
 set -uo pipefail
@@ -39,6 +42,15 @@ step zero2_resume 180 "${FIT[@]}" "${MODEL[@]}" --name zero2 --trainer.strategy 
 step zero3 180 "${FIT[@]}" "${MODEL[@]}" --name zero3 --trainer.strategy zero3 --trainer.devices 1 --trainer.max_steps 40 --checkpoint.every_n_steps 20 --optim.decay_steps 60
 step fp16 180 "${FIT[@]}" "${MODEL[@]}" --name fp16 --trainer.precision 16-mixed --trainer.max_steps 30 --checkpoint.every_n_steps 0
 step fp16_zero2 180 "${FIT[@]}" "${MODEL[@]}" --name fp16_zero2 --trainer.precision 16-mixed --trainer.strategy zero2 --trainer.devices 1 --trainer.max_steps 30 --checkpoint.every_n_steps 0
+# normlab fit on the 125M config (seq 1024, batch 16), 60 updates: throughput is averaged over the last 10.
+M125=("$PY" -m training.cli fit -c configs/gpu_125m.yaml --data.path "$DATA" --runs_dir "$RUNS" --trainer.devices 1
+      --trainer.enable_progress_bar false --trainer.max_steps 60 --trainer.val_check_interval 1000
+      --checkpoint.every_n_steps 0 --optim.warmup_steps 10)
+step fit125_eager 300 "${M125[@]}" --name fit125_eager
+step fit125_compile 420 "${M125[@]}" --name fit125_compile --model.compile true
+step fit125_actckpt 300 "${M125[@]}" --name fit125_actckpt --model.activation_checkpointing true
+step fit125_zero2 300 "${M125[@]}" --name fit125_zero2 --trainer.strategy zero2
+step gpu_tests 180 "$PY" -m pytest -q -p no:cacheprovider tests/test_host_syncs.py -k fused
 step report 120 "$PY" - "$RUNS" <<'PYEOF'
 import json, sys
 from pathlib import Path
@@ -47,12 +59,16 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from tests.helpers.runs import consolidated_state_dict
 from model import ModelConfig, Transformer
 runs = Path(sys.argv[1])
-for name in ("default", "zero2", "zero3", "fp16", "fp16_zero2"):
+for name in ("default", "zero2", "zero3", "fp16", "fp16_zero2", "fit125_eager", "fit125_compile", "fit125_actckpt",
+             "fit125_zero2"):
+    if not (runs / name).is_dir():
+        print(name, "did not run"); continue
     acc = EventAccumulator(str(runs / name), size_guidance={"scalars": 0}); acc.Reload()
     tags = acc.Tags()["scalars"]
     row = {t: [(e.step, round(e.value, 4)) for e in acc.Scalars(t)][-3:] for t in
            ("train/loss", "val/loss", "val/ppl", "throughput/tokens_per_sec", "throughput/mfu",
-            "throughput/peak_tflops", "guard/scaler_overflows", "guard/skipped_steps") if t in tags}
+            "throughput/peak_tflops", "throughput/max_memory_gb", "guard/scaler_overflows", "guard/skipped_steps")
+           if t in tags}
     steps = [e.step for e in acc.Scalars("train/loss")]
     row["train/loss steps unique"] = len(steps) == len(set(steps))
     row["manifests"] = [json.loads(p.read_text()) for p in sorted((runs / name / "checkpoints").glob("*/manifest.json"))]

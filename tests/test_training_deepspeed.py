@@ -141,13 +141,14 @@ def test_zero2_exact_resume(workdir, zero2, tmp_path):
 
 
 def test_sigterm_to_one_rank_stops_every_rank_after_the_same_step(workdir, zero2, tmp_path):
-    """SIGTERM to rank 1 alone, mid-update (a signal reaching the ranks at different moments): the ranks agree at
-    the step boundary, save step 6 and exit cleanly; resuming it reproduces the straight run bit for bit."""
+    """SIGTERM to rank 1 alone, during update 5 (a signal reaching the ranks at different moments): the ranks agree
+    one boundary later (the flags travel asynchronously, training/callbacks/stop_signals.py), save step 6 and exit
+    cleanly; resuming it reproduces the straight run bit for bit."""
     marker, log = tmp_path / "waiting", tmp_path / "out.txt"
     (tmp_path / "wait.yaml").write_text(
         "trainer:\n  callbacks:\n    - class_path: tests.helpers.callbacks.RNGProbe\n"
         "    - class_path: tests.helpers.callbacks.WaitForSignal\n"
-        f"      init_args: {{step: 5, marker: '{marker}', rank: 1}}\n")
+        f"      init_args: {{step: 4, marker: '{marker}', rank: 1}}\n")
     args = fit_args(workdir, "sigterm", "zero2", probe=str(tmp_path / "wait.yaml"))
     assert signal_when_waiting(args, workdir, marker, log) == 0, log.read_text()[-4000:]
     run = run_dir(workdir, "sigterm")

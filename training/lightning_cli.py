@@ -39,7 +39,7 @@ from training.checkpointing import branch, layout, resume
 from training.errors import UserError, is_user_error
 from training.lit_module import lit_lm
 from training.optim import OptimConfig
-from training.strategy import default_precision, is_deepspeed  # also registers --trainer.strategy zeroN
+from training.strategy import default_precision, is_deepspeed, resolve_strategy  # registers zeroN
 from training.subcommands import LIGHTNING_SUBCOMMANDS
 
 # The default job: the defaults of `normlab fit | validate | test` are read from this file (the trainer settings,
@@ -123,6 +123,8 @@ class NormlabCLI(LightningCLI):
                 self._purge_step = resumed_step + 1 if resumed_step is not None else 0
         if config.trainer.precision is None:
             config.trainer.precision = default_precision(config.trainer.accelerator)
+        config.trainer.strategy = resolve_strategy(config.trainer.strategy, config.trainer.devices,
+                                                   config.trainer.num_nodes)
 
     def _resolve_branch(self, config: Any, root: str) -> branch.Parent | None:
         """`--branch_from`: the parent to branch from, or None when `--ckpt_path last` finds the branch's own

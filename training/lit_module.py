@@ -102,13 +102,17 @@ class LitLM(LightningModule):
         # train/loss is the cross-entropy of the whole update: the mean over its micro-batches (Lightning logs the
         # value of the last one, so log the running mean) and over ranks — independent of how the batch is split.
         self._micro_losses.append((loss - z_loss).detach())
-        if self.optim.z_loss:
-            self.log("train/z_loss", z_loss, sync_dist=True)
-        self.log("train/loss", torch.stack(self._micro_losses).mean(), sync_dist=True)
         if len(self._micro_losses) >= self.trainer.accumulate_grad_batches:
+            # Only where the logger writes: a value logged with sync_dist is all-reduced on every call.
+            if logs_this_update(self.trainer, self.global_step):
+                if self.optim.z_loss:
+                    self.log("train/z_loss", z_loss, sync_dist=True)
+                self.log("train/loss", torch.stack(self._micro_losses).mean(), sync_dist=True)
+                # Short name for the progress bar, copied to the host here (one sync, on a logging step):
+                # Lightning reads every progress-bar value back after every batch — a GPU sync if on the GPU.
+                self.log("loss", loss.detach().cpu(), prog_bar=True, logger=False)
             self._micro_losses = []
         self.log("train/lr", self.lr_schedulers().get_last_lr()[0])
-        self.log("loss", loss, prog_bar=True, logger=False)  # short name for the progress bar
         return loss
 
     # Validation/test: an exact mean over all batches of all ranks (sums and counts, reduced once), so
@@ -164,6 +168,13 @@ class LitLM(LightningModule):
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint["model_config"] = self.config.to_dict()  # how to rebuild the Transformer from this file
+
+
+def logs_this_update(trainer: Any, global_step: int) -> bool:
+    """Whether Lightning's logger writes the metrics of the update that ends the current micro-batch (its rule:
+    every `log_every_n_steps` updates, and when the fit is stopping), as seen from inside that update."""
+    every = trainer.log_every_n_steps
+    return every > 0 and ((global_step + 1) % every == 0 or trainer.should_stop)
 
 
 def split_batch(batch: Tensor | dict[str, Tensor]) -> tuple[Tensor, Tensor | None]:

@@ -123,9 +123,19 @@ def build_optimizer(
     if cfg.decay_steps is None and not (0 < total_steps < math.inf):
         raise ValueError("optim.decay_steps is unset and the trainer's total steps are unknown: set one of "
                          "--optim.decay_steps or --trainer.max_steps")
-    optimizer = torch.optim.AdamW(param_groups(model, cfg), lr=cfg.lr, betas=cfg.betas, eps=cfg.eps)
+    groups = param_groups(model, cfg)
+    optimizer = torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, fused=use_fused(groups))
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, partial(lr_factor, cfg=cfg, total_steps=int(total_steps)))
     return optimizer, schedule
+
+
+def use_fused(groups: list[dict]) -> bool:
+    """torch's fused AdamW (one kernel for the whole update, no per-step host reads of its step counters) when
+    every parameter is on a CUDA device — on one GPU and under DDP, where Lightning moves the model before it
+    builds the optimizer. Not under ZeRO: Lightning builds the optimizer before DeepSpeed moves the model, and
+    DeepSpeed then steps it over its own fp32 partitions (foreach AdamW)."""
+    params = [p for group in groups for p in group["params"]]
+    return bool(params) and all(p.is_cuda for p in params)
 
 
 def restart_schedule(schedule: torch.optim.lr_scheduler.LambdaLR, cfg: OptimConfig, step: int) -> None:

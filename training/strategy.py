@@ -14,6 +14,15 @@ number of ranks. `load_checkpoint` then converts the checkpoint once into DeepSp
 `latest_universal`, written to a temporary name and renamed) and loads that, which re-partitions the fp32
 weights and Adam moments for the new world size (and repairs two slips of the ZeRO-3 loader, see
 `compat.repair_zero3_universal_load`). DeepSpeed without ZeRO is refused earlier (see `check_reshard`).
+
+Precision: one regime on every strategy. `bf16-mixed` / `16-mixed` mean torch autocast over fp32 weights — fp32
+parameters, gradients, gradient all-reduce and optimizer, with matmuls in bf16/fp16 — on one device, under DDP
+(Lightning's own mixed precision) and under ZeRO 1-3. Lightning would otherwise turn on DeepSpeed's own `bf16`/`fp16`
+mode, which casts every parameter (norm gains included) to the low dtype for forward and backward: a ZeRO run
+would then compute something else than its one-GPU pilot. So `DeepSpeed` writes DeepSpeed's `torch_autocast`
+section instead (no module's gradients reduced in the low dtype: `lower_precision_safe_modules: []`). A config
+that sets `bf16`, `fp16` or `torch_autocast` itself is used as written. `precision_record` is what the
+checkpoint manifest records.
 """
 from __future__ import annotations
 
@@ -76,6 +85,12 @@ class DeepSpeed(DeepSpeedStrategyPatches):
 
     def __init__(self, config: str | dict = "zero2", **kwargs: Any) -> None:
         super().__init__(config=load_deepspeed_config(config), **kwargs)
+
+    def setup_environment(self) -> None:
+        # Before anything reads the config (Lightning formats it in `setup`, or in `model_sharded_context` for
+        # ZeRO-3's configure_model, both later); the precision plugin is known by now.
+        autocast_config(self.config, self.precision_plugin.precision)
+        super().setup_environment()
 
     def load_checkpoint(self, checkpoint_path: str | Path, weights_only: bool | None = None) -> dict[str, Any]:
         manifest_file = Path(checkpoint_path) / MANIFEST
@@ -151,6 +166,34 @@ class DeepSpeed(DeepSpeedStrategyPatches):
 DeepSpeed.register_strategies(StrategyRegistry)
 
 
+AUTOCAST_DTYPES = {"bf16-mixed": "bfloat16", "16-mixed": "float16"}
+
+
+def autocast_config(config: dict, precision: str) -> None:
+    """Make `bf16-mixed` / `16-mixed` DeepSpeed's torch autocast over fp32 weights (see the module docstring),
+    unless `config` chooses its precision itself. Also disables the section Lightning would add (`bf16`/`fp16`)."""
+    dtype = AUTOCAST_DTYPES.get(precision)
+    if dtype is None or {"bf16", "fp16", "torch_autocast"} & config.keys():
+        return
+    config["torch_autocast"] = {"enabled": True, "dtype": dtype, "lower_precision_safe_modules": []}
+    config["bf16" if dtype == "bfloat16" else "fp16"] = {"enabled": False}  # (Lightning fills in absent ones)
+
+
+def precision_record(trainer: Any, model: torch.nn.Module) -> dict[str, str | None]:
+    """What the manifest records about numerics: Lightning's precision, the dtype the weights are stored in
+    during forward/backward, and the autocast dtype (None: no autocast)."""
+    precision = str(trainer.precision)
+    weights = next((p.dtype for p in model.parameters()), torch.float32)
+    autocast = None
+    if is_deepspeed(trainer.strategy):
+        engine = trainer.strategy.deepspeed_engine
+        autocast = engine.torch_autocast_dtype() if engine.torch_autocast_enabled() else None
+    elif precision in AUTOCAST_DTYPES:  # Lightning's MixedPrecision plugin: torch.autocast in every forward
+        autocast = torch.bfloat16 if precision.startswith("bf16") else torch.float16
+    return {"precision": precision, "weights": str(weights).removeprefix("torch."),
+            "autocast": str(autocast).removeprefix("torch.") if autocast is not None else None}
+
+
 def to_universal(ckpt_dir: Path) -> None:
     """Convert a DeepSpeed checkpoint directory to the universal format in place (once; cached)."""
     if (ckpt_dir / "latest_universal").is_file() and (ckpt_dir / UNIVERSAL_TAG).is_dir():
@@ -180,6 +223,18 @@ def default_precision(accelerator: str | Any) -> str:
     if not (wants_gpu and torch.cuda.is_available()):
         return "32-true"
     return "bf16-mixed" if torch.cuda.is_bf16_supported() else "16-mixed"
+
+
+def resolve_strategy(strategy: Any, devices: Any, num_nodes: int) -> Any:
+    """`auto` on several devices (a count > 1, a list of more than one, or several nodes) is DDP, said in the run's
+    config rather than left to Lightning's choice; anything else as given. (`devices: auto` stays Lightning's:
+    one process per visible GPU, DDP when there are several.)"""
+    if strategy != "auto":
+        return strategy
+    if isinstance(devices, str) and devices.strip().isdigit():
+        devices = int(devices)
+    several = (isinstance(devices, int) and devices > 1) or (isinstance(devices, (list, tuple)) and len(devices) > 1)
+    return "ddp" if several or num_nodes > 1 else strategy
 
 
 def adopt_deepspeed_launcher_env(environ: MutableMapping[str, str]) -> None:

@@ -65,8 +65,18 @@ def _scaler_skips_overflows(trainer: Trainer, deepspeed: bool) -> bool:
     """fp16 with a dynamic loss scale: the scaler itself skips a step whose gradient overflowed."""
     if deepspeed:
         engine = trainer.strategy.deepspeed_engine
-        return bool(engine.fp16_enabled() and engine.dynamic_loss_scale())
+        # fp16 autocast (16-mixed, training/strategy.py): the ZeRO optimizer's own torch GradScaler
+        autocast_scaler = getattr(engine.optimizer, "torch_autocast_gradscaler", None) is not None
+        return bool(engine.fp16_enabled() and engine.dynamic_loss_scale()) or autocast_scaler
     return getattr(trainer.precision_plugin, "scaler", None) is not None
+
+
+def _count_nonfinite(params: Any) -> torch.Tensor:
+    """How many of the parameters' gradients hold a NaN or Inf, as a device tensor (no host sync)."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return torch.zeros(())
+    return torch.stack([torch.isfinite(g).all() for g in grads]).logical_not().sum().float()
 
 
 def _layer(name: str) -> str:
@@ -132,7 +142,7 @@ class NonFiniteGuard(Callback):
         if not trainer.strategy.deepspeed_engine.is_gradient_accumulation_boundary():
             return
         # The engine applies any step with a finite gradient: decide now, while the gradient can still be poisoned.
-        self._judged = self._judge_loss(trainer, pl_module)
+        self._judged = self._judge_loss(trainer, pl_module)[:3]
         if self._is_spike(*self._judged):
             loss.register_hook(lambda grad: torch.full_like(grad, float("nan")))
 
@@ -142,11 +152,18 @@ class NonFiniteGuard(Callback):
             return
         step = trainer.global_step + 1
         self._decided = True
-        loss_ok, loss, z = self._judged or self._judge_loss(trainer, pl_module)
+        if self._judged is not None:  # (DeepSpeed with skip_spike_z: judged before the last backward)
+            (loss_ok, loss, z), local_bad = self._judged, None
+        else:  # without DeepSpeed, every gradient's finiteness rides in the loss's reduction: one sync in all
+            local_bad = None if deepspeed else _count_nonfinite(pl_module.model.parameters())
+            loss_ok, loss, z, grads_bad = self._judge_loss(trainer, pl_module, local_bad)
         self._judged = None
         spike = self._is_spike(loss_ok, loss, z)
         # Under DeepSpeed a spiking step's gradient was made NaN on purpose (on_before_backward): not a fault.
-        bad = [] if spike and deepspeed else self._nonfinite_grads(trainer, pl_module, deepspeed)
+        if deepspeed:
+            bad = [] if spike else self._nonfinite_grads(trainer, pl_module, deepspeed)
+        else:  # names only when some gradient is bad (then a read per parameter is no matter)
+            bad = self._nonfinite_grads(trainer, pl_module, deepspeed) if grads_bad else []
         if loss_ok and bad and _scaler_skips_overflows(trainer, deepspeed):
             self._scaler_overflow = True
             self.scaler_overflows += 1
@@ -193,18 +210,23 @@ class NonFiniteGuard(Callback):
         self._skip_this_step = self._scaler_overflow = self._decided = False
 
     # -- helpers -----------------------------------------------------------------------------------------
-    def _judge_loss(self, trainer: Trainer, pl_module: LightningModule) -> tuple[bool, float, float]:
-        """(finite on every rank, the step's loss: mean over micro-batches and ranks, its z-score). A collective:
-        every rank calls it at the same point, and all get the same verdict."""
+    def _judge_loss(self, trainer: Trainer, pl_module: LightningModule,
+                    grads_bad: torch.Tensor | None = None) -> tuple[bool, float, float, int]:
+        """(finite on every rank, the step's loss: mean over micro-batches and ranks, its z-score, the number of
+        non-finite gradients summed over ranks — of `grads_bad`, this rank's count, 0 if None). A collective:
+        every rank calls it at the same point, and all get the same verdict. One read of a device value in all
+        (the only host sync of a healthy step: the z-score needs the loss on the host)."""
         local = torch.stack(self._step_losses).float().mean() if self._step_losses else torch.zeros(())
         self._step_losses = []
+        local = local.to(pl_module.device)
         finite = torch.isfinite(local)
-        # [sum of finite losses, non-finite count] over ranks.
-        totals = trainer.strategy.reduce(torch.stack([torch.where(finite, local, 0.0), (~finite).float()]).to(
-            pl_module.device), reduce_op="sum")
-        loss_ok = totals[1].item() == 0
-        loss = totals[0].item() / trainer.world_size
-        return loss_ok, loss, self._zscore(loss) if loss_ok else 0.0
+        bad = grads_bad.to(local) if grads_bad is not None else torch.zeros_like(local)
+        # [sum of finite losses, non-finite loss count, non-finite gradient count] over ranks.
+        totals = trainer.strategy.reduce(torch.stack([torch.where(finite, local, 0.0), (~finite).float(), bad]),
+                                         reduce_op="sum")
+        loss_sum, loss_bad, nbad = totals.tolist()
+        loss = loss_sum / trainer.world_size
+        return loss_bad == 0, loss, self._zscore(loss) if loss_bad == 0 else 0.0, int(nbad)
 
     def _is_spike(self, loss_ok: bool, loss: float, z: float) -> bool:
         return loss_ok and self.skip_spike_z is not None and z > self.skip_spike_z

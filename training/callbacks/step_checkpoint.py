@@ -59,7 +59,7 @@ from training.checkpointing.layout import (
 from training.checkpointing.resume import check_resume
 from training.compat import hold_checkpoint_writes
 from training.distributed import gather_objects
-from training.strategy import is_deepspeed
+from training.strategy import is_deepspeed, precision_record
 
 log = logging.getLogger(__name__)
 
@@ -257,6 +257,7 @@ class StepCheckpoint(Callback):
             "format": fmt,
             "world_size": trainer.world_size,
             "zero_stage": _zero_stage(trainer),
+            "precision": precision_record(trainer, pl_module),  # one regime on every strategy (training/strategy.py)
             "accumulate_grad_batches": trainer.accumulate_grad_batches,
             "micro_batch_size": datamodule.batch_size,
             "seq_len": datamodule.seq_len,

@@ -10,6 +10,10 @@ Lightning's table (the H200 in Lightning 2.6). A measured peak is an achievable 
 (an H200 measures ~790 of its 989 bf16 TFLOP/s), so MFU reads higher against it; `throughput/peak_tflops`
 records which peak was used.
 
+`throughput/max_memory_gb` (GPUs only): the peak memory the CUDA caching allocator has handed out on this rank's
+device since the start of the process, in GB (1e9 bytes) — `torch.cuda.max_memory_allocated`, which is what the
+model, activations and optimizer state need (the allocator's reserved pool, `nvidia-smi`'s figure, is larger).
+
 Tokens/s counts the time of checkpoint saves (part of what training costs) but not of validation.
 """
 from __future__ import annotations
@@ -113,4 +117,9 @@ class Throughput(Callback):
         mfu = tokens_per_sec * flops_per_token / (self._peak * trainer.world_size)
         pl_module.log("throughput/tokens_per_sec", tokens_per_sec)
         pl_module.log("throughput/mfu", mfu)
-        pl_module.log("tok/s", tokens_per_sec, prog_bar=True, logger=False)  # short name for the progress bar
+        device = trainer.strategy.root_device
+        if device.type == "cuda":  # the allocator's high-water mark (a host-side counter: no sync)
+            pl_module.log("throughput/max_memory_gb", torch.cuda.max_memory_allocated(device) / 1e9)
+        # Short name for the progress bar, as a host tensor: Lightning reads every progress-bar value back after
+        # every batch, which for a float it would have put on the GPU is a sync.
+        pl_module.log("tok/s", torch.tensor(tokens_per_sec), prog_bar=True, logger=False)

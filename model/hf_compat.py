@@ -6,6 +6,7 @@ works without it.
 """
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -192,16 +193,23 @@ def config_from_hf(hf_cfg, **overrides: Any) -> ModelConfig:
     })
 
 
+def state_dict_from_hf(cfg: ModelConfig, hf_state: Iterable[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """(Hugging Face name, tensor) pairs of a model of `cfg`'s family → normlab's state dict (same tensors).
+    A tied model's `lm_head.weight` is dropped (the embedding holds it); rotary buffers are not weights."""
+    reverse = {v: k for k, v in _name_table(hf_family(cfg)).items()}
+    state = {}
+    for key, value in hf_state:
+        if (cfg.tie_embeddings and key == "lm_head.weight") or key.endswith("rotary_emb.inv_freq"):
+            continue
+        state[_translate(key, reverse)] = value
+    return state
+
+
 def from_hf(hf_model, **overrides: Any) -> Transformer:
     """A normlab `Transformer` equivalent to a `transformers` *ForCausalLM, with its weights copied."""
     cfg = config_from_hf(hf_model.config, **overrides)
     with torch.device("meta"):
         model = Transformer(cfg)
-    reverse = {v: k for k, v in _name_table(hf_family(cfg)).items()}
-    state = {}
-    for key, value in hf_model.state_dict().items():
-        if cfg.tie_embeddings and key == "lm_head.weight":
-            continue
-        state[_translate(key, reverse)] = value.detach().clone()
+    state = state_dict_from_hf(cfg, ((k, v.detach().clone()) for k, v in hf_model.state_dict().items()))
     model.load_state_dict(state, strict=True, assign=True)
     return model

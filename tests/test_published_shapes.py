@@ -23,21 +23,22 @@ COMMON = dict(vocab_size=96, hidden_size=48, intermediate_size=80, num_hidden_la
               max_position_embeddings=128, rms_norm_eps=1e-6, initializer_range=0.1)
 
 
-def tiny_hf_config(kind: str):
+def tiny_hf_config(kind: str, **changes):
     """Tiny `transformers` configs with each published model's features (the sizes are not theirs)."""
+    common = {**COMMON, **changes}
     if kind == "llama3":  # Llama 3.2: llama3 RoPE scaling, GQA, tied embeddings
-        return transformers.LlamaConfig(**COMMON, num_attention_heads=4, num_key_value_heads=2,
+        return transformers.LlamaConfig(**common, num_attention_heads=4, num_key_value_heads=2,
                                         rope_parameters=dict(LLAMA3_ROPE), tie_word_embeddings=True)
     if kind == "smollm2":  # SmolLM2: the Llama structure with 3 heads sharing 1 KV head, tied embeddings
-        return transformers.LlamaConfig(**COMMON, num_attention_heads=3, num_key_value_heads=1,
+        return transformers.LlamaConfig(**common, num_attention_heads=3, num_key_value_heads=1,
                                         rope_parameters=dict(rope_type="default", rope_theta=100000.0),
                                         tie_word_embeddings=True)
     if kind == "qwen3":  # Qwen3-0.6B: head_dim 2× hidden/heads, QK-norm per head, tied
-        return transformers.Qwen3Config(**COMMON, num_attention_heads=4, num_key_value_heads=2, head_dim=24,
+        return transformers.Qwen3Config(**common, num_attention_heads=4, num_key_value_heads=2, head_dim=24,
                                         rope_parameters=dict(rope_type="default", rope_theta=1000000.0),
                                         tie_word_embeddings=True)
     if kind == "olmo2":  # OLMo 2: output norms, QK-norm over the projection, untied; plus llama3 RoPE here
-        return transformers.Olmo2Config(**COMMON, num_attention_heads=4, num_key_value_heads=4,
+        return transformers.Olmo2Config(**common, num_attention_heads=4, num_key_value_heads=4,
                                         rope_parameters=dict(LLAMA3_ROPE), tie_word_embeddings=False)
     raise KeyError(kind)
 
@@ -45,9 +46,9 @@ def tiny_hf_config(kind: str):
 KINDS = ["llama3", "smollm2", "qwen3", "olmo2"]
 
 
-def tiny_hf_model(kind: str, seed: int = 0):
+def tiny_hf_model(kind: str, seed: int = 0, **changes):
     torch.manual_seed(seed)
-    hf = transformers.AutoModelForCausalLM.from_config(tiny_hf_config(kind)).eval()
+    hf = transformers.AutoModelForCausalLM.from_config(tiny_hf_config(kind, **changes)).eval()
     with torch.no_grad():  # gains away from 1, so a swapped or missing norm cannot hide
         for name, p in hf.named_parameters():
             if "norm" in name:

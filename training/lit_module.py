@@ -83,6 +83,12 @@ class LitLM(LightningModule):
             self.model = Transformer(self.config)
             if self.init_from is not None:  # before DeepSpeed copies the weights into its optimizer
                 self.init_from.load_into(self)
+            if self.config.tie_embeddings and hasattr(self.model.tok_embeddings.weight, "ds_id"):
+                # ZeRO-3: a tied head reads the embedding's weight in Transformer.forward, after the embedding
+                # module's hook released it; registered, it is fetched for the whole forward.
+                import deepspeed
+
+                deepspeed.zero.register_external_parameter(self.model, self.model.tok_embeddings.weight)
             enable_activation_checkpointing(self.model, self.activation_checkpointing)
             if self.compile:
                 compile_blocks(self.model)

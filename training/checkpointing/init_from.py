@@ -19,11 +19,13 @@ start fresh (a branch that keeps them is `--branch_from`). Weights are read with
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import hashlib
 import json
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -203,18 +205,15 @@ class InitFrom(Callback):
         trainer, model = lit.trainer, lit.model
         rank0 = trainer.global_rank == 0
         zero3 = any(hasattr(p, "ds_id") for p in model.parameters())
-        self.tokens = first_val_tokens(trainer.datamodule)
-        device = trainer.strategy.root_device
-        if rank0 and self.tokens is not None and self.source.kind == "huggingface":
-            self._compare_with_transformers(device)
-        state = self.source.state_dict() if rank0 or not zero3 else None
-        if rank0 and self.tokens is not None:
-            self.source_logits = _logits_of(self.source.config, state, self.tokens, device)
-            if "init/hf_logits" in self.metrics:
-                diff = (self.source_logits - self.metrics.pop("init/hf_logits")).abs().max().item()
-                self.metrics["init/hf_max_abs_logit_diff"] = diff
-                log.info("init_from: converted model vs transformers on the first validation batch: max |Δlogit| "
-                         "%.3g", diff)
+        state = None
+        with _outside_zero_init():  # rank 0 alone builds models here: they must not be partitioned (collectives)
+            self.tokens = first_val_tokens(trainer.datamodule)
+            if rank0 and self.tokens is not None and self.source.kind == "huggingface":
+                self._compare_with_transformers(trainer.strategy.root_device)
+            if rank0 or not zero3:
+                state = self.source.state_dict()
+            if rank0 and self.tokens is not None:
+                self._source_logits(state, trainer.strategy.root_device)
         from training.checkpointing.surgery import changed_fields, transfer
 
         report = transfer(state, self.source.config, model, lit.config, writer=rank0 or not zero3)
@@ -222,6 +221,14 @@ class InitFrom(Callback):
             changes = "; ".join(f"{k}: {a!r} → {b!r}" for k, a, b in changed_fields(self.source.config, lit.config))
             log.info("init_from %s (%s): %s%s", self.source.path, self.source.kind, report.summary(),
                      f"; surgery: {changes}" if changes else "")
+
+    def _source_logits(self, state: dict[str, torch.Tensor], device: torch.device) -> None:
+        self.source_logits = _logits_of(self.source.config, state, self.tokens, device)
+        if "init/hf_logits" in self.metrics:
+            diff = (self.source_logits - self.metrics.pop("init/hf_logits")).abs().max().item()
+            self.metrics["init/hf_max_abs_logit_diff"] = diff
+            log.info("init_from: converted model vs transformers on the first validation batch: max |Δlogit| %.3g",
+                     diff)
 
     def _compare_with_transformers(self, device: torch.device) -> None:
         import transformers
@@ -248,6 +255,23 @@ class InitFrom(Callback):
             log.info("init_from: step 0 vs the source on the first validation batch: %s",
                      ", ".join(f"{k} {v:.4g}" for k, v in self.metrics.items()))
         self.source_logits = None
+
+
+@contextlib.contextmanager
+def _outside_zero_init() -> Iterator[None]:
+    """Module construction as usual, inside `LitLM.configure_model` under ZeRO-3: Lightning runs it in
+    `deepspeed.zero.Init`, which partitions every module built (a collective) — on rank 0 alone that would hang.
+    DeepSpeed's own pause of the context (it initializes its engine inside Init the same way)."""
+    try:
+        from deepspeed.runtime.zero.partition_parameters import restore_init_context, shutdown_init_context
+    except ImportError:  # no DeepSpeed: nothing to pause
+        yield
+        return
+    shutdown_init_context()
+    try:
+        yield
+    finally:
+        restore_init_context()
 
 
 def _logits_of(cfg: ModelConfig, state: dict[str, torch.Tensor], tokens: torch.Tensor,

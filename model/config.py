@@ -13,12 +13,14 @@ from typing import Any
 from model.mlp import MLPS  # the MLP registry: valid names, matrices per MLP
 from model.norms import NORMS  # the norm registry: valid names, parameters per norm
 from model.residual import PLACEMENTS  # the placement registry: valid names, norms per block, final norm
+from model.rope import RopeScaling
 
 NORM_CASTS = ("llama", "gemma")
 QK_NORMS = ("none", "head", "full")
 FINAL_NORMS = ("auto", True, False)
 INITS = ("normal", "scaled", "depth", "zero", "xavier")
 KERNELS = ("auto", "triton", "torch")
+ROPE_TYPES = ("default", "llama3")
 
 # Structure only; sizes always come from overrides (or the small defaults below).
 PRESETS: dict[str, dict[str, Any]] = {
@@ -57,7 +59,15 @@ class ModelConfig:
     n_kv_heads: int | None = None  # None: same as n_heads (multi-head attention)
     ffn_dim: int | None = None  # None: SwiGLU's 8/3·dim rounded up to a multiple of 64
     max_seq_len: int = 256
+    head_dim: int | None = None  # per-head width; None: dim // n_heads (Qwen3-0.6B: 128 with dim 1024, 16 heads)
     rope_theta: float = 10000.0
+    # Llama 3.1+ RoPE scaling (`rope_type: llama3`): long wavelengths divided by `rope_factor`, short ones kept,
+    # a smooth blend between; the rope_* numbers below are its parameters and are ignored by "default".
+    rope_type: str = "default"
+    rope_factor: float = 8.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_seq_len: int = 8192
     tie_embeddings: bool = False
     bias: bool = False  # biases in linear layers and in LayerNorm
     mlp: str = "swiglu"  # swiglu | relu | gelu: see model/mlp.py
@@ -78,6 +88,13 @@ class ModelConfig:
     def __post_init__(self) -> None:
         for name in ("vocab_size", "dim", "n_layers", "n_heads", "max_seq_len"):
             _check_positive(name, getattr(self, name))
+        if self.head_dim is None:  # resolved here, so the saved config always states the width it ran with
+            if self.dim % self.n_heads:
+                raise ValueError(f"ModelConfig.dim={self.dim} must be divisible by n_heads={self.n_heads} "
+                                 "(or give head_dim)")
+            object.__setattr__(self, "head_dim", self.dim // self.n_heads)
+        _check_positive("head_dim", self.head_dim)
+        self._check_rope()
         if self.n_kv_heads is not None:
             _check_positive("n_kv_heads", self.n_kv_heads)
         if self.ffn_dim is not None:
@@ -90,10 +107,8 @@ class ModelConfig:
         _check_choice("final_norm", self.final_norm, FINAL_NORMS)
         _check_choice("init", self.init, INITS)
         _check_choice("kernels", self.kernels, KERNELS)
-        if self.dim % self.n_heads:
-            raise ValueError(f"ModelConfig.dim={self.dim} must be divisible by n_heads={self.n_heads}")
         if self.head_dim % 2:
-            raise ValueError(f"head_dim={self.head_dim} (dim/n_heads) must be even for rotary embeddings")
+            raise ValueError(f"ModelConfig.head_dim={self.head_dim} must be even for rotary embeddings")
         if self.n_heads % self.kv_heads:
             raise ValueError(
                 f"ModelConfig.n_heads={self.n_heads} must be a multiple of n_kv_heads={self.kv_heads} (GQA groups)"
@@ -107,10 +122,23 @@ class ModelConfig:
         if self.norm_offset and self.norm != "rmsnorm":
             raise ValueError("ModelConfig.norm_offset=True is only defined for norm='rmsnorm' (Gemma-style gain)")
 
-    # ---- derived sizes -------------------------------------------------------------------------
+    def _check_rope(self) -> None:
+        _check_choice("rope_type", self.rope_type, ROPE_TYPES)
+        if self.rope_type == "llama3":
+            _check_positive("rope_original_max_seq_len", self.rope_original_max_seq_len)
+            if not 0 < self.rope_low_freq_factor < self.rope_high_freq_factor or self.rope_factor <= 0:
+                raise ValueError(f"ModelConfig rope_type='llama3' needs rope_factor > 0 and 0 < "
+                                 f"rope_low_freq_factor ({self.rope_low_freq_factor}) < rope_high_freq_factor "
+                                 f"({self.rope_high_freq_factor})")
+
+    # ---- derived values ------------------------------------------------------------------------
     @property
-    def head_dim(self) -> int:
-        return self.dim // self.n_heads
+    def rope_scaling(self) -> RopeScaling | None:
+        """The RoPE frequency scaling `model.rope` applies, or None for plain RoPE."""
+        if self.rope_type == "default":
+            return None
+        return RopeScaling(self.rope_factor, self.rope_low_freq_factor, self.rope_high_freq_factor,
+                           self.rope_original_max_seq_len)
 
     @property
     def kv_heads(self) -> int:
@@ -139,6 +167,11 @@ class ModelConfig:
         return cls(**{**PRESETS[name], **overrides})
 
     def replace(self, **changes: Any) -> ModelConfig:
+        """A copy with `changes`. A head_dim that was derived (dim // n_heads) is derived again when dim or
+        n_heads change; one set to another width is kept."""
+        derived = self.head_dim == self.dim // self.n_heads and not self.dim % self.n_heads
+        if derived and "head_dim" not in changes and {"dim", "n_heads"} & set(changes):
+            changes["head_dim"] = None
         return dataclasses.replace(self, **changes)
 
     def to_dict(self) -> dict[str, Any]:

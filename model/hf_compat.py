@@ -6,6 +6,7 @@ works without it.
 """
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -103,7 +104,7 @@ def to_hf_config(cfg: ModelConfig, **extra: Any):
     kwargs = dict(
         vocab_size=cfg.vocab_size, hidden_size=cfg.dim, intermediate_size=cfg.hidden_dim,
         num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.kv_heads,
-        head_dim=cfg.head_dim, max_position_embeddings=cfg.max_seq_len, rope_theta=cfg.rope_theta,
+        head_dim=cfg.head_dim, max_position_embeddings=cfg.max_seq_len, rope_parameters=_rope_parameters(cfg),
         rms_norm_eps=cfg.norm_eps, tie_word_embeddings=cfg.tie_embeddings, hidden_act="silu",
         initializer_range=cfg.init_std, attention_dropout=0.0, bos_token_id=None, eos_token_id=None, pad_token_id=None,
     )
@@ -130,36 +131,78 @@ def to_hf(model: Transformer):
     return hf_model.eval()
 
 
-def _rope_theta(hf_cfg) -> float:
-    params = getattr(hf_cfg, "rope_parameters", None) or {}
-    rope_type = params.get("rope_type", "default")
-    if rope_type != "default":
-        raise ValueError(f"rope_parameters.rope_type={rope_type!r} is not supported (only 'default' RoPE)")
-    return float(params.get("rope_theta", getattr(hf_cfg, "rope_theta", 10000.0)))
+def _rope_parameters(cfg: ModelConfig) -> dict[str, Any]:
+    params: dict[str, Any] = {"rope_type": cfg.rope_type, "rope_theta": cfg.rope_theta}
+    if cfg.rope_scaling is not None:
+        factor, low, high, context = cfg.rope_scaling
+        params.update(factor=factor, low_freq_factor=low, high_freq_factor=high,
+                      original_max_position_embeddings=context)
+    return params
+
+
+def _rope_fields(hf_cfg) -> dict[str, Any]:
+    """The ModelConfig rope_* fields of a `transformers` config (its `rope_parameters`, or the older top-level
+    `rope_theta` / `rope_scaling`)."""
+    params = dict(getattr(hf_cfg, "rope_parameters", None) or getattr(hf_cfg, "rope_scaling", None) or {})
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    theta = float(params.get("rope_theta", getattr(hf_cfg, "rope_theta", None) or 10000.0))
+    if float(params.get("partial_rotary_factor", getattr(hf_cfg, "partial_rotary_factor", 1.0))) != 1.0:
+        raise ValueError("partial_rotary_factor != 1 is not supported (normlab rotates every feature of a head)")
+    if rope_type == "default":
+        return {"rope_theta": theta}
+    if rope_type == "llama3":
+        return {"rope_theta": theta, "rope_type": "llama3", "rope_factor": float(params["factor"]),
+                "rope_low_freq_factor": float(params["low_freq_factor"]),
+                "rope_high_freq_factor": float(params["high_freq_factor"]),
+                "rope_original_max_seq_len": int(params["original_max_position_embeddings"])}
+    raise ValueError(f"rope_parameters.rope_type={rope_type!r} is not supported; supported: 'default', 'llama3'")
+
+
+def _bias(hf_cfg, fam: Family) -> bool:
+    """normlab's one `bias` flag: every linear layer has biases, or none has."""
+    flags = {f: bool(getattr(hf_cfg, f, False)) for f in ("attention_bias", *fam.bias_fields)}
+    if len(set(flags.values())) > 1:
+        raise ValueError(f"{flags} mixes biased and unbiased layers; normlab's `bias` is one flag for all of them")
+    if any(flags.values()) and not fam.bias_fields:  # Qwen3's / OLMo 2's MLPs have no bias to match
+        raise ValueError(f"attention_bias=True is not supported for model_type={fam.model_type!r}")
+    return any(flags.values())
 
 
 def config_from_hf(hf_cfg, **overrides: Any) -> ModelConfig:
-    """The normlab config equivalent to a `transformers` config of a supported family."""
+    """The normlab config equivalent to a `transformers` config of a supported family; a ValueError naming the
+    first field that has no normlab equivalent."""
     fam = FAMILIES.get(hf_cfg.model_type)
     if fam is None:
         raise ValueError(f"model_type={hf_cfg.model_type!r} is not supported; choose one of {sorted(FAMILIES)}")
-    head_dim = getattr(hf_cfg, "head_dim", None) or hf_cfg.hidden_size // hf_cfg.num_attention_heads
-    if head_dim * hf_cfg.num_attention_heads != hf_cfg.hidden_size:
-        raise ValueError(f"head_dim={head_dim} × num_attention_heads must equal hidden_size={hf_cfg.hidden_size}")
     if getattr(hf_cfg, "hidden_act", "silu") != "silu":
         raise ValueError(f"hidden_act={hf_cfg.hidden_act!r} is not supported (SwiGLU needs 'silu')")
     if getattr(hf_cfg, "use_sliding_window", False):
-        raise ValueError("use_sliding_window=True is not supported")
-    bias = any(getattr(hf_cfg, f, False) for f in fam.bias_fields) or bool(getattr(hf_cfg, "attention_bias", False))
+        raise ValueError("use_sliding_window=True is not supported (normlab attends to the whole context)")
+    if getattr(hf_cfg, "pretraining_tp", 1) not in (None, 1):
+        raise ValueError(f"pretraining_tp={hf_cfg.pretraining_tp} is not supported (set it to 1: it only splits "
+                         "matmuls for tensor parallelism)")
     structure = {k: v for k, v in fam.requires.items() if k != "has_final_norm"}
     return ModelConfig(**{
-        **structure, "bias": bias, "init_std": hf_cfg.initializer_range,
+        **structure, "bias": _bias(hf_cfg, fam), "init_std": hf_cfg.initializer_range,
         "vocab_size": hf_cfg.vocab_size, "dim": hf_cfg.hidden_size, "n_layers": hf_cfg.num_hidden_layers,
         "n_heads": hf_cfg.num_attention_heads, "n_kv_heads": hf_cfg.num_key_value_heads,
+        "head_dim": getattr(hf_cfg, "head_dim", None) or hf_cfg.hidden_size // hf_cfg.num_attention_heads,
         "ffn_dim": hf_cfg.intermediate_size, "max_seq_len": hf_cfg.max_position_embeddings,
-        "rope_theta": _rope_theta(hf_cfg), "norm_eps": hf_cfg.rms_norm_eps,
+        **_rope_fields(hf_cfg), "norm_eps": hf_cfg.rms_norm_eps,
         "tie_embeddings": bool(hf_cfg.tie_word_embeddings), **overrides,
     })
+
+
+def state_dict_from_hf(cfg: ModelConfig, hf_state: Iterable[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """(Hugging Face name, tensor) pairs of a model of `cfg`'s family → normlab's state dict (same tensors).
+    A tied model's `lm_head.weight` is dropped (the embedding holds it); rotary buffers are not weights."""
+    reverse = {v: k for k, v in _name_table(hf_family(cfg)).items()}
+    state = {}
+    for key, value in hf_state:
+        if (cfg.tie_embeddings and key == "lm_head.weight") or key.endswith("rotary_emb.inv_freq"):
+            continue
+        state[_translate(key, reverse)] = value
+    return state
 
 
 def from_hf(hf_model, **overrides: Any) -> Transformer:
@@ -167,11 +210,6 @@ def from_hf(hf_model, **overrides: Any) -> Transformer:
     cfg = config_from_hf(hf_model.config, **overrides)
     with torch.device("meta"):
         model = Transformer(cfg)
-    reverse = {v: k for k, v in _name_table(hf_family(cfg)).items()}
-    state = {}
-    for key, value in hf_model.state_dict().items():
-        if cfg.tie_embeddings and key == "lm_head.weight":
-            continue
-        state[_translate(key, reverse)] = value.detach().clone()
+    state = state_dict_from_hf(cfg, ((k, v.detach().clone()) for k, v in hf_model.state_dict().items()))
     model.load_state_dict(state, strict=True, assign=True)
     return model

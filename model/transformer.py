@@ -57,11 +57,12 @@ class Transformer(nn.Module):
             raise ValueError(f"sequence length {start + T} exceeds ModelConfig.max_seq_len={self.cfg.max_seq_len}")
         doc_mask = None
         if position_ids is None:
-            cos, sin = rope_cos_sin(T, self.cfg.head_dim, self.cfg.rope_theta, tokens.device, start=start)
+            cos, sin = rope_cos_sin(T, self.cfg.head_dim, self.cfg.rope_theta, tokens.device, start=start,
+                                    scaling=self.cfg.rope_scaling)
         else:
             if position_ids.shape != tokens.shape:
                 raise ValueError(f"position_ids {tuple(position_ids.shape)} must have the shape of tokens {(B, T)}")
-            cos, sin = rope_cos_sin_at(position_ids, self.cfg.head_dim, self.cfg.rope_theta)
+            cos, sin = rope_cos_sin_at(position_ids, self.cfg.head_dim, self.cfg.rope_theta, self.cfg.rope_scaling)
             doc_mask = DocumentMask.from_positions(position_ids, self.cfg.attn_softcap)
         stream = Stream(self.tok_embeddings(tokens))
         for i, layer in enumerate(self.layers):

@@ -10,10 +10,11 @@ Config groups (all settable in YAML via `-c` and as dotted flags):
                 `--guard.dump_spike_z`, `--guard.max_dumps`)
   throughput.*  Throughput (`--throughput.peak_tflops`)
   eval.*        DownstreamEval: harness tasks in the loop (`--eval.tasks arc_easy --eval.every_n_steps 1000`)
-  name, runs_dir, ckpt_path, branch_from, seed_everything
+  name, runs_dir, ckpt_path, branch_from, init_from, seed_everything
 
 `--branch_from <run>/checkpoints/step-X` starts a new run (`--name`) from another run's checkpoint with its own
-schedule: a cooldown branch (training/checkpointing/branch.py).
+schedule: a cooldown branch (training/checkpointing/branch.py). `--init_from PATH` starts a new run from the weights
+of a Hugging Face model, a normlab checkpoint or export, optionally with other norms (checkpointing/init_from.py).
 
 Defaults: configs/default.yaml (the default job), then `-c` files in order, then dotted flags.
 """
@@ -35,7 +36,7 @@ from training.callbacks import NonFiniteGuard, RNGState, StepCheckpoint, Through
 from training.callbacks.downstream import DownstreamEval
 from training.callbacks.progress import step_counting
 from training.callbacks.summary import log_closing_lines, with_norm_summary
-from training.checkpointing import branch, layout, resume
+from training.checkpointing import branch, init_from, layout, resume
 from training.errors import UserError, is_user_error
 from training.lit_module import lit_lm
 from training.optim import OptimConfig
@@ -89,6 +90,10 @@ class NormlabCLI(LightningCLI):
                                  "LR schedule: weights, optimizer state, data position and step carried over "
                                  "(a cooldown branch); with --ckpt_path last, resume the branch once it has "
                                  "checkpoints")
+        parser.add_argument("--init_from", type=Optional[str], default=None,  # noqa: UP045 (jsonargparse reads it)
+                            help="Start this (new) run from the weights of a Hugging Face model directory, a normlab "
+                                 "checkpoint or export; model fields not given take the source's values, those "
+                                 "given are norm surgery (docs/published-models.md)")
         # The run directory is the trainer's default_root_dir, derived here and nowhere else.
         parser.link_arguments(("runs_dir", "name"), "trainer.default_root_dir", compute_fn=run_dir)
         parser.add_class_arguments(OptimConfig, "optim")
@@ -108,6 +113,8 @@ class NormlabCLI(LightningCLI):
         root = config.trainer.default_root_dir
         requested = config.ckpt_path
         self._requested_ckpt_path, self._parent = requested, None
+        self._init_source = None if config.init_from is None else \
+            init_from.prepare(self.subcommand, config, compat.cli_parser(self).get_defaults())
         if config.branch_from is not None:
             self._parent = self._resolve_branch(config, root)
         if self._parent is not None:  # a new run: from the parent's checkpoint, into a fresh run directory
@@ -192,21 +199,26 @@ class NormlabCLI(LightningCLI):
         self._check_inputs()
         config = self.config[self.subcommand]
         load = config.ckpt_path  # what `fit` loads: the resolved --ckpt_path, or a branch's parent
+        source = None
         if self._parent is not None:
             lineage = self._check_branch()
             # The recorded config (config.yaml, here and per checkpoint) is what reruns this branch: --branch_from
             # with the --ckpt_path given, not the parent's path (`fit` itself gets that from config_init).
             config.ckpt_path = self._requested_ckpt_path
         elif load and (layout.ckpt_dir_of(load) / layout.MANIFEST).is_file():  # resumed: keep its record
-            lineage = layout.read_manifest(layout.ckpt_dir_of(load)).get(branch.MANIFEST_KEY)
+            manifest = layout.read_manifest(layout.ckpt_dir_of(load))
+            lineage, source = manifest.get(branch.MANIFEST_KEY), manifest.get(init_from.MANIFEST_KEY)
         else:
             lineage = None
+            if self._init_source is not None:  # a fresh run from another model's weights
+                source = init_from.attach(self.model, self.trainer, self.datamodule, self._init_source)
         text = compat.cli_parser(self).dump(config, skip_unset=False)  # nulls too: a complete record
         for callback in self.trainer.callbacks:
             if isinstance(callback, StepCheckpoint):
                 callback.resolved_config = text
                 callback.resume_from = load  # checked against the run before anything loads
                 callback.branched_from = lineage
+                callback.init_from = source
 
     def after_fit(self) -> None:
         log_closing_lines(self.trainer, Path(self.trainer.default_root_dir) / layout.CONFIG_FILE)

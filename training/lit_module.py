@@ -68,6 +68,7 @@ class LitLM(LightningModule):
         self.save_hyperparameters(ignore=["optim"])
         self.hparams["optim"] = dataclasses.asdict(self.optim)
         self.model: Transformer | None = None
+        self.init_from: Any = None  # `fit --init_from`: fills the model once built (checkpointing/init_from.py)
         self._micro_losses: list[Tensor] = []  # this update's micro-batch losses so far
 
     def setup(self, stage: str) -> None:
@@ -80,6 +81,14 @@ class LitLM(LightningModule):
         # parameter is partitioned as it is created and no rank ever holds the full model.
         if self.model is None:
             self.model = Transformer(self.config)
+            if self.init_from is not None:  # before DeepSpeed copies the weights into its optimizer
+                self.init_from.load_into(self)
+            if self.config.tie_embeddings and hasattr(self.model.tok_embeddings.weight, "ds_id"):
+                # ZeRO-3: a tied head reads the embedding's weight in Transformer.forward, after the embedding
+                # module's hook released it; registered, it is fetched for the whole forward.
+                import deepspeed
+
+                deepspeed.zero.register_external_parameter(self.model, self.model.tok_embeddings.weight)
             enable_activation_checkpointing(self.model, self.activation_checkpointing)
             if self.compile:
                 compile_blocks(self.model)

@@ -126,6 +126,7 @@ class StepCheckpoint(Callback):
         self.resolved_config: str | None = None
         self.resume_from: str | None = None
         self.branched_from: dict[str, Any] | None = None
+        self.init_from: dict[str, Any] | None = None  # `fit --init_from`: the source (checkpointing/init_from.py)
         self._last_saved = -1
         self._boundary = -1  # the global step of the last update boundary seen
         self._signals = StopSignals()
@@ -267,6 +268,7 @@ class StepCheckpoint(Callback):
             "git_revision": self._git_revision,
             "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             **({"branched_from": self.branched_from} if self.branched_from is not None else {}),
+            **({"init_from": self.init_from} if self.init_from is not None else {}),
             "files": file_sizes(ckpt_dir),  # checked before a resume or a load (see verify_files)
         }
         write_text_atomic(ckpt_dir / MANIFEST, json.dumps(manifest, indent=2) + "\n")  # last: marks complete

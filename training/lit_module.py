@@ -25,7 +25,9 @@ from torch import Tensor
 
 from model import ModelConfig, Transformer
 from model.optimize import compile_blocks, enable_activation_checkpointing
+from training.errors import UserError
 from training.optim import OptimConfig, build_optimizer
+from training.strategy import is_deepspeed
 
 
 def model_fields(init: Callable) -> Callable:
@@ -107,7 +109,7 @@ class LitLM(LightningModule):
         self.log("train/loss", torch.stack(self._micro_losses).mean(), sync_dist=True)
         if len(self._micro_losses) >= self.trainer.accumulate_grad_batches:
             self._micro_losses = []
-        self.log("train/lr", self.lr_schedulers().get_last_lr()[0])
+        self._log_lrs()
         self.log("loss", loss, prog_bar=True, logger=False)  # short name for the progress bar
         return loss
 
@@ -158,7 +160,20 @@ class LitLM(LightningModule):
                 self.log(f"{split}/{val_set.name}/loss", x, sync_dist=True)
                 self.log(f"{split}/{val_set.name}/bpb", x / math.log(2) * tokens / max(nbytes, 1), sync_dist=True)
 
+    def _log_lrs(self) -> None:
+        """train/lr: the schedule's LR (optim.lr · factor); train/lr/<group>: each group's (× its multipliers)."""
+        schedule = self.lr_schedulers()
+        lrs = schedule.get_last_lr()
+        factor = next((lr / base for lr, base in zip(lrs, schedule.base_lrs, strict=True) if base), 0.0)
+        self.log("train/lr", self.optim.lr * factor)
+        for group, lr in zip(schedule.optimizer.param_groups, lrs, strict=True):
+            self.log(f"train/lr/{group['name']}", lr)
+
     def configure_optimizers(self) -> dict[str, Any]:
+        if self.optim.name == "muon" and is_deepspeed(self.trainer.strategy):
+            raise UserError("optim.name=muon does not run under DeepSpeed: ZeRO gives the optimizer flat 1-D shards "
+                            "of the parameters and Muon's Newton–Schulz step needs each whole 2-D matrix; use "
+                            "--trainer.strategy auto or ddp (or optim.name=adamw with DeepSpeed)")
         optimizer, schedule = build_optimizer(self.model, self.optim, self.trainer.estimated_stepping_batches)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 

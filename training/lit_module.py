@@ -26,7 +26,7 @@ from torch import Tensor
 from model import ModelConfig, Transformer
 from model.optimize import compile_blocks, enable_activation_checkpointing
 from training.errors import UserError
-from training.optim import OptimConfig, build_optimizer
+from training.optim import OptimConfig, build_optimizer, check_group_names, param_groups
 from training.strategy import is_deepspeed
 
 
@@ -179,6 +179,11 @@ class LitLM(LightningModule):
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint["model_config"] = self.config.to_dict()  # how to rebuild the Transformer from this file
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        # before the optimizer state loads (by group position): the groups must be the checkpoint's
+        for state in checkpoint.get("optimizer_states") or []:
+            check_group_names([g.get("name") for g in state["param_groups"]], param_groups(self.model, self.optim))
 
 
 def split_batch(batch: Tensor | dict[str, Tensor]) -> tuple[Tensor, Tensor | None]:

@@ -282,6 +282,14 @@ def build_optimizer(
     return optimizer, schedule
 
 
+def check_group_names(saved: list[str | None], groups: list[dict]) -> None:
+    """A checkpoint's optimizer groups (names, in order) must be this run's: its state loads group by position."""
+    names = [g["name"] for g in groups]
+    if saved != names:
+        raise UserError(f"the checkpoint's optimizer groups are {saved} and this run's {names}: resume or branch with "
+                        "the checkpoint's optim.groups / optim.name / model.parametrization (multipliers may differ)")
+
+
 def restart_schedule(schedule: torch.optim.lr_scheduler.LambdaLR, cfg: OptimConfig, step: int) -> None:
     """Put this run's own group hyper-parameters and LR schedule, evaluated at optimizer step `step`, on an
     optimizer whose state was just loaded from another run (a cooldown branch, training/checkpointing/branch.py).
@@ -294,9 +302,6 @@ def restart_schedule(schedule: torch.optim.lr_scheduler.LambdaLR, cfg: OptimConf
     state). The next update of group g then uses lr · lr_mult_g · lr_factor(step, cfg, total).
     """
     groups, own = schedule.optimizer.param_groups, getattr(schedule.optimizer, GROUP_HPARAMS)
-    if len(own) != len(groups):
-        raise UserError(f"the branch has {len(own)} optimizer groups and its parent {len(groups)}; branch with the "
-                        "parent's optim.groups / optim.name")
     for group, hparams in zip(groups, own, strict=True):
         group.update({k: v for k, v in hparams.items() if k != "lr"}, initial_lr=hparams["lr"])
     schedule.base_lrs = [h["lr"] for h in own]

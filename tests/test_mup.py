@@ -95,7 +95,8 @@ def test_coordcheck_command_writes_plot_and_table(tmp_path, capsys):
     assert main(["--widths", "32", "64", "--base_width", "32", "--n_layers", "1", "--steps", "1", "--seq_len", "8",
                  "--batch_size", "2", "--vocab_size", "32", "--placements", "post", "--parametrizations", "mup",
                  "--output", str(out)]) == 0
-    assert (out / "coordcheck.png").stat().st_size > 0 and "| post | rmsnorm | mup | logits |" in capsys.readouterr().out
+    assert (out / "coordcheck.png").stat().st_size > 0
+    assert "| post | rmsnorm | mup | logits |" in capsys.readouterr().out
     assert main(["--widths", "32", "66", "--output", str(out)]) == 2
     assert capsys.readouterr().err.startswith("normlab coordcheck: error: width 66, {'placement': 'pre', 'norm': "
                                               "'rmsnorm', 'parametrization': 'standard'}: ModelConfig.dim=66 must be "

@@ -114,8 +114,9 @@ def plot(results: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    # one y-scale per column: standard and μP rows compare at a glance
     fig, axes = plt.subplots(len(results), len(QUANTITIES), figsize=(3.2 * len(QUANTITIES), 2.6 * len(results)),
-                             squeeze=False)
+                             squeeze=False, sharey="col")
     for row, r in zip(axes, results, strict=True):
         c = r["config"]
         for ax, q in zip(row, QUANTITIES, strict=True):
@@ -123,6 +124,8 @@ def plot(results: list[dict], path: Path) -> None:
                 ax.loglog(r["widths"], r["values"][key], "o-", label=f"{key} ({r['slopes'][key]:+.2f})")
             ax.set_title(f"{c['placement']}/{c['norm']}/{c['parametrization']}: {q}", fontsize=8)
             ax.set_xlabel("width", fontsize=7)
+            ax.set_xticks(r["widths"], [str(w) for w in r["widths"]])
+            ax.minorticks_off()
             ax.legend(fontsize=6)
             ax.tick_params(labelsize=6)
     fig.tight_layout()

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from model import ModelConfig, Transformer
+from model.hf_compat import to_hf
 from model.mup import to_standard
 from training.coordcheck import CheckSpec, main, run
 from training.optim import OptimConfig, param_groups
@@ -67,6 +68,8 @@ def test_to_standard_folds_the_multipliers_with_the_same_logits(kw):
     assert folded.cfg.parametrization == "standard"
     torch.testing.assert_close(folded(tokens), model(tokens), rtol=1e-5, atol=1e-5)
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())  # the μP model is untouched
+    # ... and Hugging Face runs the folded weights to the μP model's logits (what `normlab export` writes)
+    torch.testing.assert_close(to_hf(folded)(tokens).logits, model(tokens), rtol=1e-4, atol=1e-5)
 
 
 def test_export_refuses_what_cannot_be_folded():

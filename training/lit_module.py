@@ -181,7 +181,9 @@ class LitLM(LightningModule):
         checkpoint["model_config"] = self.config.to_dict()  # how to rebuild the Transformer from this file
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        # before the optimizer state loads (by group position): the groups must be the checkpoint's
+        # before the optimizer state loads (by group position): a fit's groups must be the checkpoint's
+        if self._trainer is None or self.trainer.state.fn != "fit":
+            return
         for state in checkpoint.get("optimizer_states") or []:
             check_group_names([g.get("name") for g in state["param_groups"]], param_groups(self.model, self.optim))
 

@@ -92,6 +92,7 @@ def test_bad_groups_are_one_clear_error(groups, message):
     ({"x": {"lr_mult": 2}}, "optim.groups.x selects nothing"),
     ({"decay": {"kind": "norm"}}, "optim.groups.decay: the name is reserved"),
     ({"x": {"pattern": "("}}, r"optim.groups.x.pattern='\(' is not a valid regex"),
+    ({"x": {"kind": "head", "lr_mult": "3e-3"}}, "optim.groups.x needs numbers lr_mult >= 0"),
 ])
 def test_bad_group_specs_fail_at_config_time(groups, message):
     with pytest.raises(ValueError, match=message):

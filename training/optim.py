@@ -81,8 +81,10 @@ def _check_group(name: str, entry: Any) -> None:
             re.compile(spec.pattern)
         except re.error as err:
             raise ValueError(f"{where}.pattern={spec.pattern!r} is not a valid regex ({err})") from None
-    if not spec.lr_mult >= 0 or (spec.weight_decay is not None and not spec.weight_decay >= 0):
-        raise ValueError(f"{where} needs lr_mult >= 0 and weight_decay >= 0, got {entry!r}")
+    numbers = [spec.lr_mult] + ([] if spec.weight_decay is None else [spec.weight_decay])
+    if not all(isinstance(x, (int, float)) and not isinstance(x, bool) and x >= 0 for x in numbers):
+        raise ValueError(f"{where} needs numbers lr_mult >= 0 and weight_decay >= 0, got {entry!r} (YAML reads 3e-3 "
+                         "as a string: write 3.0e-3)")
 
 
 @dataclass(frozen=True, kw_only=True)

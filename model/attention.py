@@ -20,6 +20,7 @@ from torch import nn
 
 from model.init import init_std
 from model.layers import Linear
+from model.mup import attn_scale
 from model.norms import build_norm
 from model.rope import RoPE
 
@@ -109,6 +110,7 @@ class Attention(nn.Module):
             self.q_norm, self.k_norm = build_norm(cfg, q_dim), build_norm(cfg, kv_dim)
         self.rope = RoPE()
         self.softcap = cfg.attn_softcap
+        self.scale = attn_scale(cfg)  # None: 1/√D; μP: 1/D-like (model/mup.py)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: LayerCache | None = None,
                 doc_mask: DocumentMask | None = None) -> torch.Tensor:
@@ -146,25 +148,27 @@ class Attention(nn.Module):
         """[B, H, T, D] attention output: flex attention for a block mask, else SDPA, else (softcap) math."""
         gqa = self.n_kv_heads != self.n_heads
         if doc_mask is not None and doc_mask.block is not None:
-            return _flex()[0](q_BHTD, k_BKTD, v_BKTD, block_mask=doc_mask.block, enable_gqa=gqa)
+            return _flex()[0](q_BHTD, k_BKTD, v_BKTD, block_mask=doc_mask.block, scale=self.scale, enable_gqa=gqa)
         if self.softcap is not None:
-            return softcapped_attention(q_BHTD, k_BKTD, v_BKTD, mask, self.softcap)
+            return softcapped_attention(q_BHTD, k_BKTD, v_BKTD, mask, self.softcap, self.scale)
         return F.scaled_dot_product_attention(q_BHTD, k_BKTD, v_BKTD, attn_mask=mask, is_causal=causal,
-                                              enable_gqa=gqa)
+                                              scale=self.scale, enable_gqa=gqa)
 
 
 def softcapped_attention(q_BHTD: torch.Tensor, k_BKTD: torch.Tensor, v_BKTD: torch.Tensor,
-                         mask_TS: torch.Tensor | None, cap: float) -> torch.Tensor:
+                         mask_TS: torch.Tensor | None, cap: float, scale: float | None = None) -> torch.Tensor:
     """Causal attention with the scores soft-capped to c · tanh(s / c) before the softmax (Gemma 2).
 
     SDPA has no hook between the scores and the softmax, so this is plain math attention: it materializes the
     [B, H, T, S] scores (O(T²) memory, no flash kernel) — the price of `attn_softcap`. `mask_TS`: True where a
-    query may see a key, [T, S] or [B, 1, T, S] (document masking); None means causal with T == S.
+    query may see a key, [T, S] or [B, 1, T, S] (document masking); None means causal with T == S. `scale`: the
+    score scale (None: SDPA's 1/√D).
     """
     H, K, D = q_BHTD.shape[1], k_BKTD.shape[1], q_BHTD.shape[-1]
     k_BHSD = k_BKTD.repeat_interleave(H // K, dim=1)  # GQA: query head h reads kv head h // (H/K)
     v_BHSD = v_BKTD.repeat_interleave(H // K, dim=1)
-    scores = (q_BHTD @ k_BHSD.transpose(-1, -2)).float() / math.sqrt(D)  # [B, H, T, S], SDPA's scale
+    scale = 1 / math.sqrt(D) if scale is None else scale  # SDPA's default
+    scores = (q_BHTD @ k_BHSD.transpose(-1, -2)).float() * scale  # [B, H, T, S]
     scores = cap * torch.tanh(scores / cap)
     if mask_TS is None:
         T, S = scores.shape[-2:]

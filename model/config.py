@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from model.mlp import MLPS  # the MLP registry: valid names, matrices per MLP
+from model.mup import PARAMETRIZATIONS  # standard | mup: see model/mup.py
 from model.norms import NORMS  # the norm registry: valid names, parameters per norm
 from model.residual import PLACEMENTS  # the placement registry: valid names, norms per block, final norm
 from model.rope import RopeScaling
@@ -84,6 +85,8 @@ class ModelConfig:
     kernels: str = "auto"  # which norm implementation runs: see model/kernels
     logit_softcap: float | None = None  # c: final logits c·tanh(x/c) (Gemma 2); None: off
     attn_softcap: float | None = None  # c: attention scores c·tanh(s/c) (Gemma 2); runs math attention, not SDPA
+    parametrization: str = "standard"  # standard | mup: init, LR, logit and attention multipliers (model/mup.py)
+    mup_base_width: int = 256  # mup: the width whose hyper-parameters transfer (multipliers are 1 there)
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "dim", "n_layers", "n_heads", "max_seq_len"):
@@ -107,6 +110,11 @@ class ModelConfig:
         _check_choice("final_norm", self.final_norm, FINAL_NORMS)
         _check_choice("init", self.init, INITS)
         _check_choice("kernels", self.kernels, KERNELS)
+        _check_choice("parametrization", self.parametrization, PARAMETRIZATIONS)
+        _check_positive("mup_base_width", self.mup_base_width)
+        if self.parametrization == "mup" and self.mup_base_width % self.n_heads:
+            raise ValueError(f"ModelConfig.mup_base_width={self.mup_base_width} must be divisible by "
+                             f"n_heads={self.n_heads} (μP's attention scale uses the base width's head dim)")
         if self.head_dim % 2:
             raise ValueError(f"ModelConfig.head_dim={self.head_dim} must be even for rotary embeddings")
         if self.n_heads % self.kv_heads:

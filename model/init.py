@@ -18,7 +18,8 @@ projections are the two that write into the residual stream: `scaled` is GPT-2 /
 torchtitan / OLMo, `zero` is modded-nanogpt (each block starts as the identity). `xavier` is Glorot & Bengio
 (2010)'s fan-based variance 2/(i+o) — the variance of fairseq's `xavier_uniform_`, drawn from a normal — on
 every block matrix, the setup Xiong et al. (2020) analyse post-LN vs pre-LN in; embedding and head keep σ.
-Deterministic under `torch.manual_seed`: layers draw in construction order.
+Under `parametrization="mup"` the q/k/v/o and MLP stds above (not xavier's, already fan-based) are multiplied by
+√(mup_base_width/dim) (model/mup.py). Deterministic under `torch.manual_seed`: layers draw in construction order.
 """
 from __future__ import annotations
 
@@ -26,6 +27,8 @@ import math
 from typing import TYPE_CHECKING
 
 from torch import nn
+
+from model.mup import hidden_init_mult
 
 if TYPE_CHECKING:
     from model.config import ModelConfig
@@ -42,12 +45,13 @@ def init_std(cfg: ModelConfig, role: str, layer_id: int = 0, fans: tuple[int, in
         if fans is None:
             raise ValueError(f"init='xavier' needs the fans of the {role!r} matrix")
         return math.sqrt(2.0 / sum(fans))
+    mult = hidden_init_mult(cfg) if role in ("in", "out") else 1.0
     if role != "out" or cfg.init in ("normal", "xavier"):
-        return cfg.init_std
+        return cfg.init_std * mult
     if cfg.init == "scaled":
-        return cfg.init_std / math.sqrt(2 * cfg.n_layers)
+        return cfg.init_std * mult / math.sqrt(2 * cfg.n_layers)
     if cfg.init == "depth":
-        return cfg.init_std / math.sqrt(2 * (layer_id + 1))
+        return cfg.init_std * mult / math.sqrt(2 * (layer_id + 1))
     return 0.0  # "zero"
 
 

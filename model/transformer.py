@@ -12,6 +12,7 @@ from model.config import ModelConfig
 from model.init import init_std, init_weights
 from model.layers import Embedding, Linear
 from model.loss import fused_linear_cross_entropy, softcap_logits
+from model.mup import output_mult
 from model.norms import build_norm
 from model.residual import Stream
 from model.rope import rope_cos_sin, rope_cos_sin_at
@@ -82,6 +83,8 @@ class Transformer(nn.Module):
         model/loss.py), plus `z_loss` · mean(log²Z) — with `return_z_loss`, (loss, that term). `position_ids`
         [B, T]: document masking (see `hidden_states`); the loss stays the mean over every target token."""
         h = self.hidden_states(tokens, cache, position_ids)
+        if self.cfg.parametrization == "mup":  # μP's readout multiplier: logits = W h / m (model/mup.py)
+            h = h * output_mult(self.cfg)
         if targets is None:
             return softcap_logits(F.linear(h, self.head_weight), self.cfg.logit_softcap)
         return fused_linear_cross_entropy(h, self.head_weight, targets, loss_chunk_size, z_loss=z_loss,

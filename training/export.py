@@ -18,7 +18,9 @@ from pathlib import Path
 import torch
 
 from data.layout import load_tokenizer
+from model import Transformer
 from model.hf_compat import hf_family, to_hf
+from model.mup import to_standard
 from training.checkpointing.load import NORMLAB_EXPORT_CONFIG, CheckpointError, Loaded, load_checkpoint
 from training.errors import UserError, report
 
@@ -86,6 +88,15 @@ def _write_hf(loaded: Loaded, out: Path, dtype: torch.dtype) -> None:
     hf.to(dtype).save_pretrained(str(out), safe_serialization=True)
 
 
+def hf_equivalent(model: Transformer) -> Transformer:
+    """`model` as Hugging Face can run it: a μP model with its multipliers folded into the weights (same logits,
+    model/mup.py), or one UserError line where they cannot be folded."""
+    try:
+        return to_standard(model)
+    except ValueError as err:
+        raise UserError(str(err)) from None
+
+
 def _write_safetensors(loaded: Loaded, out: Path, dtype: torch.dtype) -> None:
     from safetensors.torch import save_file
 
@@ -107,6 +118,7 @@ def export(checkpoint: str | Path, output: str | Path, dtype: str = "float32", f
     loaded = load_checkpoint(checkpoint)
     if fmt == "hf":
         hf_family(loaded.model.cfg)  # fail before writing anything, naming the field that prevents it
+        loaded.model = hf_equivalent(loaded.model)
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
     tmp = output.with_name(f".{output.name}.tmp-{os.getpid()}")  # beside the output: the rename stays atomic
     try:

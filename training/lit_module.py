@@ -25,7 +25,9 @@ from torch import Tensor
 
 from model import ModelConfig, Transformer
 from model.optimize import compile_blocks, enable_activation_checkpointing
-from training.optim import OptimConfig, build_optimizer
+from training.errors import UserError
+from training.optim import OptimConfig, build_optimizer, check_group_names, param_groups
+from training.strategy import is_deepspeed
 
 
 def model_fields(init: Callable) -> Callable:
@@ -121,7 +123,7 @@ class LitLM(LightningModule):
                 # Lightning reads every progress-bar value back after every batch — a GPU sync if on the GPU.
                 self.log("loss", loss.detach().cpu(), prog_bar=True, logger=False)
             self._micro_losses = []
-        self.log("train/lr", self.lr_schedulers().get_last_lr()[0])
+        self._log_lrs()
         return loss
 
     # Validation/test: an exact mean over all batches of all ranks (sums and counts, reduced once), so
@@ -171,12 +173,32 @@ class LitLM(LightningModule):
                 self.log(f"{split}/{val_set.name}/loss", x, sync_dist=True)
                 self.log(f"{split}/{val_set.name}/bpb", x / math.log(2) * tokens / max(nbytes, 1), sync_dist=True)
 
+    def _log_lrs(self) -> None:
+        """train/lr: the schedule's LR (optim.lr · factor); train/lr/<group>: each group's (× its multipliers)."""
+        schedule = self.lr_schedulers()
+        lrs = schedule.get_last_lr()
+        factor = next((lr / base for lr, base in zip(lrs, schedule.base_lrs, strict=True) if base), 0.0)
+        self.log("train/lr", self.optim.lr * factor)
+        for group, lr in zip(schedule.optimizer.param_groups, lrs, strict=True):
+            self.log(f"train/lr/{group['name']}", lr)
+
     def configure_optimizers(self) -> dict[str, Any]:
+        if self.optim.name == "muon" and is_deepspeed(self.trainer.strategy):
+            raise UserError("optim.name=muon does not run under DeepSpeed: ZeRO gives the optimizer flat 1-D shards "
+                            "of the parameters and Muon's Newton–Schulz step needs each whole 2-D matrix; use "
+                            "--trainer.strategy auto or ddp (or optim.name=adamw with DeepSpeed)")
         optimizer, schedule = build_optimizer(self.model, self.optim, self.trainer.estimated_stepping_batches)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint["model_config"] = self.config.to_dict()  # how to rebuild the Transformer from this file
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        # before the optimizer state loads (by group position): a fit's groups must be the checkpoint's
+        if self._trainer is None or self.trainer.state.fn != "fit":
+            return
+        for state in checkpoint.get("optimizer_states") or []:
+            check_group_names([g.get("name") for g in state["param_groups"]], param_groups(self.model, self.optim))
 
 
 def logs_this_update(trainer: Any, global_step: int) -> bool:

@@ -7,7 +7,8 @@ what `--ckpt_path` of that checkpoint would restore — except for what makes it
 - its run directory is fresh (refused if it holds checkpoints, like any new run), so it gets its own TensorBoard
   run and checkpoints;
 - the learning rate follows the branch's own `--optim.*` settings, evaluated at step k: the parent's scheduler
-  state and param-group values (lr, betas, eps, weight decay) are replaced (`optim.restart_schedule`), and the
+  state and every param group's values (lr and its `optim.groups` / μP multiplier, betas, eps, weight decay,
+  Muon's settings) are replaced by the branch's own, group by group (`optim.restart_schedule`), and the
   schedule's length is the branch's `--trainer.max_steps` (or `--optim.decay_steps`);
 - every checkpoint manifest of the branch records its parent under `branched_from` (checkpoint, run directory,
   step, tokens seen, config/tokenizer hashes, git revision, the sha256 of the parent's manifest, and the

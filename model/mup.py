@@ -1,0 +1,94 @@
+"""μP (maximal-update parametrization; Yang & Hu 2021, Yang et al. 2022 "Tensor Programs V") in one place.
+
+Under `ModelConfig.parametrization="mup"` a model of width `dim` behaves like its base model (`mup_base_width`)
+scaled up so that every activation coordinate, and its change per step, stays Θ(1) as the width grows — so the
+best learning rate found at the base width transfers. With m = dim / mup_base_width (Adam, the "μP with
+multipliers" form the `mup` package ships):
+
+| what                                  | standard     | mup                                     | where           |
+|---------------------------------------|--------------|-----------------------------------------|-----------------|
+| hidden matrices (q/k/v/o, MLP) init σ | σ            | σ / √m  (∝ 1/√fan_in)                   | init.py         |
+| hidden matrices' Adam LR              | lr           | lr / m                                  | training/optim  |
+| embedding, norm gains, DyT α, biases  | σ, lr        | σ, lr  (vector-like: unchanged)         |                 |
+| LM head (readout)                     | logits = W h | logits = W h / m  (init σ, lr: as is)   | transformer.py  |
+| attention scores                      | q·k / √D     | q·k · √D₀ / D  (1/D; equal at the base) | attention.py    |
+
+D is the head dim and D₀ = mup_base_width / n_heads the base model's: widths are meant to grow at a fixed number
+of heads (as in the coordinate check), which grows D — where 1/D rather than 1/√D matters (q and k become
+correlated during training, so q·k grows like D, not √D). `xavier` init is already fan-based and is left as is.
+Muon-driven matrices keep Muon's own shape scaling (its update has a fixed spectral norm; Bernstein's spectral
+condition), so μP's 1/m LR factor applies to AdamW-driven hidden matrices only.
+"""
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from model.config import ModelConfig
+    from model.transformer import Transformer
+
+PARAMETRIZATIONS = ("standard", "mup")
+
+
+def width_mult(cfg: ModelConfig) -> float:
+    """m = dim / mup_base_width under μP; 1 under the standard parametrization."""
+    return cfg.dim / cfg.mup_base_width if cfg.parametrization == "mup" else 1.0
+
+
+def hidden_init_mult(cfg: ModelConfig) -> float:
+    """The factor on a hidden matrix's init σ: 1/√m (fan-in scaling)."""
+    return 1.0 / math.sqrt(width_mult(cfg))
+
+
+def hidden_lr_mult(cfg: ModelConfig) -> float:
+    """The factor on a hidden matrix's Adam learning rate: 1/m."""
+    return 1.0 / width_mult(cfg)
+
+
+def output_mult(cfg: ModelConfig) -> float:
+    """The factor on the logits: 1/m (the readout layer's multiplier)."""
+    return 1.0 / width_mult(cfg)
+
+
+def attn_scale(cfg: ModelConfig) -> float | None:
+    """The attention-score scale: None (SDPA's 1/√D) under standard; √D₀/D under μP."""
+    if cfg.parametrization != "mup":
+        return None
+    return math.sqrt(cfg.mup_base_width / cfg.n_heads) / cfg.head_dim
+
+
+def to_standard(model: Transformer) -> Transformer:
+    """A standard-parametrization copy of a μP `model` with the same logits: the output multiplier folded into
+    the LM head, and the attention scale folded into the queries (q·k·s = (c·q)·k/√D with c = s·√D; RoPE is
+    linear, so scaling q before it is the same). With QK-norm the query's norm gain carries c (the norm would undo
+    a scaled projection). The model itself is not changed; a standard model is returned as it is.
+
+    Raises ValueError for tied embeddings (the head is the embedding there: scaling it would change the input)
+    and for an offset query-norm gain.
+    """
+    cfg = model.cfg
+    if cfg.parametrization != "mup":
+        return model
+    if cfg.tie_embeddings or (cfg.norm_offset and cfg.qk_norm != "none"):
+        why = "its logit multiplier would have to scale the shared embedding" if cfg.tie_embeddings else \
+            "the attention scale cannot be folded into an offset (1 + w) query-norm gain"
+        raise ValueError(f"this μP model cannot be written as a standard one ({why}); export with --format "
+                         "safetensors to keep normlab's own format")
+    from model.transformer import Transformer  # here: model.transformer imports this module
+
+    with torch.device("meta"):
+        out = Transformer(cfg.replace(parametrization="standard"))
+    out.load_state_dict({k: v.detach().clone() for k, v in model.state_dict().items()}, assign=True)
+    out = out.to(model.head_weight.device)
+    c = attn_scale(cfg) * math.sqrt(cfg.head_dim)
+    with torch.no_grad():
+        out.output.weight.copy_(model.output.weight * output_mult(cfg))
+        for layer_out, layer in zip(out.layers, model.layers, strict=True):
+            q_owner = layer.attn.q_norm if cfg.qk_norm != "none" else layer.attn.q_proj
+            target = layer_out.attn.q_norm if cfg.qk_norm != "none" else layer_out.attn.q_proj
+            for name, p in q_owner.named_parameters(recurse=False):
+                getattr(target, name).copy_(p * c)
+    return out

@@ -77,10 +77,8 @@ def to_standard(model: Transformer) -> Transformer:
             "the attention scale cannot be folded into an offset (1 + w) query-norm gain"
         raise ValueError(f"this μP model cannot be written as a standard one ({why}); export with --format "
                          "safetensors to keep normlab's own format")
-    from model.transformer import Transformer  # here: model.transformer imports this module
-
-    with torch.device("meta"):
-        out = Transformer(cfg.replace(parametrization="standard"))
+    with torch.device("meta"):  # type(model): the Transformer class, without importing model.transformer here
+        out = type(model)(cfg.replace(parametrization="standard"))
     out.load_state_dict({k: v.detach().clone() for k, v in model.state_dict().items()}, assign=True)
     out = out.to(model.head_weight.device)
     c = attn_scale(cfg) * math.sqrt(cfg.head_dim)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -53,6 +54,8 @@ def check_unchanged(spec: Spec, runs: list[Run]) -> None:
 def attempt_outcome(returncode: int, run_dir: Path, log_from: int) -> tuple[str, str | None]:
     """(status, the error line) of an attempt that exited with `returncode`: its log since `log_from` tells a
     divergence (normlab's guard) from any other failure."""
+    if returncode == -signal.SIGTERM:
+        return "pending", None  # stopped before its SIGTERM handler was in place (still starting): interrupted
     if returncode == 0:
         step, max_steps = progress(run_dir)
         done = max_steps is None or max_steps <= 0 or step >= max_steps

@@ -35,9 +35,9 @@ from training.errors import UserError
 from training.sweep.launch import check_unchanged, train
 from training.sweep.runner import status_table, to_train
 from training.sweep.spec import Run, Spec, load_spec
-from training.sweep.state import locked, write_json, write_state
+from training.sweep.state import locked, progress, write_json, write_state
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("training.sweep.slurm")  # also when run as __main__ (the array task)
 
 SLURM_KEYS = ("nodes", "gpus_per_node", "cpus_per_task", "mem", "time", "partition", "account", "max_parallel",
               "signal_seconds", "extra", "setup")
@@ -156,9 +156,14 @@ def task_main(argv: list[str]) -> int:
     log.info("%s: %s (restart %s)", run.rel, status, os.environ.get("SLURM_RESTART_COUNT", "0"))
     if task.requeue and status == "pending":
         job = os.environ["SLURM_JOB_ID"]
+        # Logged first: a successful requeue ends this process at once (Slurm cancels the running job).
+        log.info("%s saved step %d on the warning; requeueing job %s", run.rel, progress(spec.sweep_dir / run.rel)[0],
+                 job)
         out = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True)
-        log.info("requeued job %s: %s", job, out.returncode == 0 and "ok" or out.stderr.strip())
-        return 0 if out.returncode == 0 else 1
+        if out.returncode == 0:
+            return 0
+        log.error("scontrol requeue %s failed: %s", job, out.stderr.strip())
+        return 1
     return 0 if status in ("finished", "diverged") else 1
 
 

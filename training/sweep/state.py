@@ -80,14 +80,27 @@ def progress(run_dir: Path) -> tuple[int, int | None]:
 
 
 def _alive(record: dict[str, Any]) -> bool:
-    """Whether the recorded attempt's process still runs (on this host; another host's is taken on trust)."""
+    """Whether the recorded attempt's process still runs (on this host; another host's is taken on trust). A
+    zombie (a killed run whose parent died too, left unreaped) or a reused pid running something else is not."""
     if record.get("host") != socket.gethostname():
         return True
-    try:
-        os.kill(int(record.get("pid", -1)), 0)
-    except (OSError, ValueError, TypeError):
+    pid = record.get("pid")
+    proc = Path(f"/proc/{pid}")
+    if not isinstance(pid, int) or pid <= 0:
         return False
-    return True
+    if not Path("/proc/self").exists():  # no procfs: ask the kernel whether the pid exists
+        try:
+            os.kill(pid, 0)
+        except OSError:
+            return False
+        return True
+    try:
+        state = (proc / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        cmdline = (proc / "cmdline").read_bytes().split(b"\0")
+    except (OSError, IndexError):
+        return False
+    command = [a.encode() for a in record.get("command", [])[1:]]
+    return state not in ("Z", "X") and all(a in cmdline for a in command)
 
 
 def run_status(run_dir: Path) -> tuple[str, int, dict[str, Any] | None]:

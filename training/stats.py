@@ -293,8 +293,14 @@ def lr_sensitivity(final_by_lr: Mapping[float, float], initial_loss: float) -> f
     sensitive, and one whose loss is flat across the grid scores 0."""
     if not final_by_lr:
         raise ValueError("lr_sensitivity needs at least one learning rate")
-    capped = [min(x, initial_loss) if math.isfinite(x) else initial_loss for x in final_by_lr.values()]
+    capped = [capped_loss(x, initial_loss) for x in final_by_lr.values()]
     return statistics.fmean(capped) - min(capped)
+
+
+def capped_loss(loss: float, initial_loss: float) -> float:
+    """A final loss as LR sensitivity counts it: no worse than the loss at initialization, which is also what a
+    diverged run (a non-finite loss) counts as."""
+    return min(loss, initial_loss) if math.isfinite(loss) else initial_loss
 
 
 def verdict(est: Estimate, kind: str, threshold: float = 0.0, tolerance: float = 0.0) -> str:

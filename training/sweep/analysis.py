@@ -16,6 +16,7 @@ from training.stats import (
     ALPHA,
     Estimate,
     Judgement,
+    capped_loss,
     estimate,
     judge_family,
     lr_sensitivity,
@@ -122,13 +123,18 @@ class LrGroup:
         return None if self.best_lr is None else self.cells[self.best_lr]
 
 
+def _raw(run: RunResult) -> float | None:
+    """A run's final metric, +inf when it diverged, None without one."""
+    return math.inf if run.outcome == "diverged" else run.final if run.has_number else None
+
+
 def _scored(run: RunResult, cap: float, mode: str) -> float | None:
     """A run's final metric as the LR table counts it: diverged → the cap (min) or −inf (max); no metric → None."""
     if run.outcome == "diverged":
-        return cap if mode == "min" else -math.inf
+        return capped_loss(math.inf, cap) if mode == "min" else -math.inf
     if not run.has_number:
         return None
-    return min(run.final, cap) if mode == "min" and math.isfinite(cap) else run.final
+    return capped_loss(run.final, cap) if mode == "min" else run.final
 
 
 def _group_name(cell: Cell, axes: Sequence[str], drop: set[str]) -> str:
@@ -177,7 +183,7 @@ def _lr_group(name: str, members: list[Cell], lr_key: str, mode: str) -> LrGroup
         seeds = set.intersection(*(set(c.by_seed()) for c in by_lr.values()))
         per_seed = []
         for seed in sorted(seeds, key=lambda s: (0, s, "") if isinstance(s, int) else (1, 0, str(s))):
-            curve = {lr: _scored(c.by_seed()[seed], cap, mode) for lr, c in by_lr.items()}
+            curve = {lr: _raw(c.by_seed()[seed]) for lr, c in by_lr.items()}  # lr_sensitivity caps them
             if all(v is not None for v in curve.values()):
                 per_seed.append(lr_sensitivity(curve, cap))
         sensitivity = estimate(per_seed) if per_seed else None

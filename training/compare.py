@@ -34,12 +34,12 @@ import numpy as np
 from training.errors import UserError
 from training.errors import report as report_error
 from training.sweep.results import RunResult, plain_tags, read_run, result, tokens_per_step
+from training.sweep.state import RUN_RECORD  # what `normlab sweep` records of a run's last attempt
 
 log = logging.getLogger(__name__)
 
 IGNORED_KEYS = ("name", "trainer.default_root_dir", "ckpt_path")  # differ between any two runs, by design
 SEED_KEY = "seed_everything"  # the replicate key of `--group-by`
-RUN_RECORD = "sweep-run.json"  # what `normlab sweep` records of a run's last attempt (its status)
 
 
 def _last(scalars: dict[str, list], tag: str) -> float | None:

@@ -1,6 +1,8 @@
 """`normlab compare` on two tiny real runs that differ in one setting."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from tests.helpers.multiproc import REPO, run_normlab
@@ -12,21 +14,31 @@ pytestmark = pytest.mark.slow
 HELPERS = REPO / "tests" / "helpers"
 
 
-def test_compare_two_runs(workdir, tmp_path, capsys):
+@pytest.fixture(scope="module")
+def runs(workdir: Path) -> Path:
     runs = workdir / "runs"
     for name, extra in (("rms", []), ("ln", ["--model.norm", "layernorm"])):
         run_normlab(["fit", "-c", str(HELPERS / "tiny.yaml"), "--data.path", str(workdir / "tiny"), "--runs_dir",
                      str(runs), "--name", name, "--metrics.every_n_steps", "2", *extra], cwd=workdir)
+    return runs
+
+
+def _metrics(out: str) -> dict[str, list[str]]:
+    metrics = out.split("final metrics")[1]
+    return {line.split()[0]: line.split() for line in metrics.splitlines()[3:] if line.strip()}
+
+
+def test_compare_two_runs(runs, workdir, tmp_path, capsys):
     plot = tmp_path / "loss.png"
     assert main([str(runs / "rms"), str(runs / "ln"), "--last", "2", "--plot", str(plot)]) == 0
     out = capsys.readouterr().out
-    differences, metrics = out.split("final metrics")
+    differences = out.split("final metrics")[0]
 
     # The one setting changed is the one difference (run names and directories are not differences).
     rows = [line.split() for line in differences.splitlines()[3:] if line.strip()]
     assert rows == [["model.norm", "None", "layernorm"]]
 
-    table = {line.split()[0]: line.split() for line in metrics.splitlines()[3:] if line.strip()}
+    table = _metrics(out)
     for name in ("rms", "ln"):
         run = runs / name
         val = scalars(run, "val/loss")  # validated at steps 4 and 8
@@ -44,3 +56,28 @@ def test_compare_two_runs(workdir, tmp_path, capsys):
     assert main([str(workdir / "tiny"), "--plot", str(tmp_path / "x.png")]) == 2
     assert capsys.readouterr().err.startswith(f"normlab compare: error: '{workdir / 'tiny'}' is not a normlab run")
     assert not (tmp_path / "x.png").exists()
+
+
+def test_the_metric_is_any_scalar_tag(runs, tmp_path, capsys):
+    assert main([str(runs / "rms"), str(runs / "ln"), "--metric", "train/loss", "--last", "3",
+                 "--plot", str(tmp_path / "p.png")]) == 0
+    table = _metrics(capsys.readouterr().out)
+    for name in ("rms", "ln"):
+        train = scalars(runs / name, "train/loss")
+        assert table[name][1] == f"{train[8]:.4f}"
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--metric", "val/lsos"], "--metric 'val/lsos' is logged by none of the runs; choose a scalar tag they log"),
+    (["--group-by", "model.nrom"], "--group-by model.nrom: no such key in"),
+    (["--group-by", "optim.lr"], "are both lr=0.001 at seed_everything=1234: a cell needs one run per seed"),
+    (["--baseline", "norm=None"], "--baseline and --margin compare cells: give --group-by KEY... too"),
+    (["--group-by", "model.norm", "--baseline", "norm=rms"], "baseline 'norm=rms' is not a cell"),
+])
+def test_bad_input_is_one_line(runs, tmp_path, capsys, args, message):
+    from training.cli import main as normlab
+
+    assert normlab(["compare", str(runs / "rms"), str(runs / "ln"), *args, "--plot", str(tmp_path / "p.png")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("normlab compare: error: ") and message in err and len(err.splitlines()) == 1
+    assert not (tmp_path / "p.png").exists()

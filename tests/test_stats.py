@@ -20,6 +20,7 @@ from training.stats import (
     lr_sensitivity,
     outcome_test,
     paired_difference,
+    training_outcome,
 )
 
 A = [5.12, 5.31, 4.95, 5.20, 5.07, 5.26]
@@ -151,3 +152,67 @@ def test_p_values_are_uniform_under_the_null_in_aggregate():
     ps = [estimate(list(xs)).p_value() for xs in itertools.product(values, repeat=4)]
     share = sum(p < 0.05 for p in ps if not math.isnan(p)) / len(ps)
     assert share <= 0.08
+
+
+def test_one_sample_interval_matches_scipy_t_interval():
+    e = estimate(A)
+    lo, hi = scipy_stats.t.interval(0.95, len(A) - 1, loc=sum(A) / len(A), scale=scipy_stats.sem(A))
+    assert (e.lo, e.hi) == pytest.approx((lo, hi), rel=1e-12)
+    assert e.p_value(5.0) == pytest.approx(scipy_stats.ttest_1samp(A, 5.0).pvalue, rel=1e-9)
+
+
+NULL = ([4.3, 3.8, 4.2, 3.9, 4.0, 4.1], [4.0, 4.1, 3.9, 4.05, 4.2, 3.8])  # noisy: the metric alone is INCONCLUSIVE
+CLEAR = ([4.0, 4.1, 3.9, 4.05, 4.0, 4.1], [4.5, 4.6, 4.4, 4.55, 4.5, 4.6])  # 0.5 lower on every seed: BETTER
+
+
+@pytest.mark.parametrize("samples, discordant, expected", [
+    (NULL, (0, 0), INCONCLUSIVE),
+    (NULL, (0, 6), BETTER),  # the baseline diverged on 6 seeds the candidate trained on: p = 2 / 2^6 < 0.05
+    (NULL, (6, 0), WORSE),
+    (CLEAR, (1, 0), INCONCLUSIVE),  # better where both trained, but it diverged once where the baseline did not
+    (CLEAR, (0, 1), INCONCLUSIVE),  # one discordant seed: p = 1, nothing shown
+    (CLEAR, (6, 0), INCONCLUSIVE),  # diverges more, yet better when it trains: mixed, no verdict
+    (CLEAR, (0, 6), BETTER),
+])
+def test_a_divergence_in_one_arm_only_decides_before_the_metric(samples, discordant, expected):
+    judged = judge(paired_difference(*samples), 0.05, discordant=discordant)
+    assert judged.verdict == expected
+    if sum(discordant):
+        assert judged.p_outcome == pytest.approx(scipy_stats.binomtest(discordant[0], sum(discordant)).pvalue)
+
+
+def test_equivalence_needs_no_divergence_in_one_arm():
+    same = ([4.01, 4.10, 3.91, 4.04], [4.0, 4.1, 3.9, 4.05])
+    assert judge(paired_difference(*same), 0.05).verdict == EQUIVALENT
+    assert judge(paired_difference(*same), 0.05, discordant=(0, 1)).verdict == INCONCLUSIVE
+
+
+def test_without_a_margin_there_is_no_equivalence():
+    same = paired_difference([4.01, 4.10, 3.91, 4.04], [4.0, 4.1, 3.9, 4.05])
+    j = judge(same, None)
+    assert j.verdict == INCONCLUSIVE and math.isnan(j.p_equivalent)
+    assert judge(paired_difference(*CLEAR), None).verdict == BETTER
+
+
+def test_outcome_family_holm_counts_only_comparisons_with_a_discordant_seed():
+    diffs = {"a": paired_difference(*NULL), "b": paired_difference(*NULL), "c": paired_difference(*NULL)}
+    judged = judge_family(diffs, 0.05, discordant={"a": (0, 7), "b": (0, 0), "c": (2, 3)})
+    p_a, p_c = 2 * 0.5 ** 7, scipy_stats.binomtest(2, 5).pvalue
+    assert judged["a"].p_outcome_adjusted == pytest.approx(holm([p_a, p_c])[0]) == pytest.approx(2 * p_a)
+    assert math.isnan(judged["b"].p_outcome) and judged["b"].verdict == INCONCLUSIVE
+    assert judged["a"].verdict == BETTER and judged["c"].verdict == INCONCLUSIVE
+
+
+@pytest.mark.parametrize("losses, diverged, expected", [
+    ([5.5, 5.0, 4.5, 4.2, 4.0, 3.9, 3.8, 3.8, 3.7, 3.7], False, "trains"),
+    ([5.5, 5.49, 5.5, 5.48, 5.47, 5.5, 5.46, 5.47, 5.48, 5.46], False, "stalled"),  # < 0.1 nats of progress
+    ([5.5, 5.0, 4.5, 4.2, 4.0, 3.9, 3.8, 4.9, 5.9, 6.3], False, "diverged"),  # ended above where it started
+    ([5.5, 5.0, math.nan], False, "diverged"),
+    ([5.5, 5.0, 4.5], True, "diverged"),  # stopped on a non-finite loss that was never logged
+])
+def test_training_outcome_is_the_studys(losses, diverged, expected):
+    from training.study.measure import outcome
+
+    assert training_outcome(losses, diverged) == expected
+    if all(math.isfinite(x) for x in losses):
+        assert outcome({"losses": losses, "diverged_at": 3 if diverged else None}) == expected

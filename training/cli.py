@@ -35,6 +35,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("training.generate:main", "continue a prompt with a saved checkpoint"),
     "compare": ("training.compare:main", "a table of config differences and final metrics of runs, and a loss plot"),
     "study": ("training.study:main", "the normalization study: claims tested over seeds, plots and a report"),
+    "sweep": ("training.sweep.cli:main", "a grid of fit runs x seeds, locally or on Slurm: resumable, with a report"),
     "coordcheck": ("training.coordcheck:main", "μP's coordinate check: activation RMS against width, with slopes"),
 }
 

@@ -2,78 +2,53 @@
 
 Prints the settings in which the runs' resolved configs differ, then one row of final metrics per run, read from
 its TensorBoard event files and newest checkpoint manifest:
-- `val loss`: the last `val/loss`, ± the standard deviation of the last `--last` evaluations (how settled it is);
+- the metric (`--metric`, any scalar tag, default `val/loss`): its last value, ± the standard deviation of its
+  last `--last` values (how settled it is);
 - `bpb`: the last bits per byte (`val/bpb`, else `eval/val/bpb` from `normlab evaluate`), `-` when never logged;
 - `tokens`: tokens trained on (the manifest's `tokens_seen`, else steps × tokens per step from the config);
 - `tok/s`: mean `throughput/tokens_per_sec` over the last `--last` points;
 - `max attn logit`: the largest last `attn/max_logit/L*` over layers;
 - `resid growth`: RMS of the stream entering the final norm (else the last block) over the RMS entering block 0.
-Writes a plot of `train/loss` (and `val/loss`, dashed) against tokens for all runs (`--plot`, PNG).
+Writes a plot of `train/loss` (and the metric, dashed) against tokens for all runs (`--plot`, PNG).
+
+`--group-by KEY...` (config keys, e.g. `model.placement optim.lr`) instead groups the runs into cells by those
+keys, takes `seed_everything` as the replicate, and prints the sweep report's tables (training/sweep/report.py,
+the same code): per cell the seeds, outcomes and the final metric's mean ± sd and 95% interval; with
+`--baseline CELL` the paired differences, Holm-corrected verdicts against `--margin`; with an LR key among the
+groups (`--lr-key`, default `optim.lr`), each group's best LR and LR sensitivity. How to read them:
+docs/sweep-report.md.
 """
 from __future__ import annotations
 
 import argparse
+import difflib
 import logging
+import math
 import re
 import sys
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import yaml
 
-from training.checkpointing.layout import complete_checkpoints, read_manifest
+from training.errors import UserError
+from training.errors import report as report_error
+from training.sweep.results import RunResult, plain_tags, read_run, result, tokens_per_step
+from training.sweep.state import RUN_RECORD  # what `normlab sweep` records of a run's last attempt
 
 log = logging.getLogger(__name__)
 
 IGNORED_KEYS = ("name", "trainer.default_root_dir", "ckpt_path")  # differ between any two runs, by design
-
-
-class CompareError(ValueError):
-    pass
-
-
-def _flatten(config: Any, prefix: str = "") -> dict[str, Any]:
-    if isinstance(config, dict):
-        out: dict[str, Any] = {}
-        for key, value in config.items():
-            out.update(_flatten(value, f"{prefix}{key}."))
-        return out
-    return {prefix[:-1]: config}
-
-
-def read_run(run_dir: Path) -> dict[str, Any]:
-    """A run's flattened config, its scalars {tag: [(step, value)]} and its newest manifest (or None)."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    if not (run_dir / "config.yaml").is_file() or not list(run_dir.glob("events.out.tfevents.*")):
-        raise CompareError(f"'{run_dir}' is not a normlab run (no config.yaml and TensorBoard events); pass run "
-                           "directories such as runs/NAME")
-    acc = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})
-    acc.Reload()
-    scalars = {tag: sorted({e.step: e.value for e in acc.Scalars(tag)}.items()) for tag in acc.Tags()["scalars"]}
-    found = complete_checkpoints(run_dir)
-    return {"dir": run_dir, "config": _flatten(yaml.safe_load((run_dir / "config.yaml").read_text()) or {}),
-            "scalars": scalars, "manifest": read_manifest(found[-1]) if found else None}
-
-
-def tokens_per_step(run: dict[str, Any]) -> float:
-    manifest, config = run["manifest"], run["config"]
-    if manifest and manifest.get("tokens_seen") and manifest.get("step"):
-        return manifest["tokens_seen"] / manifest["step"]
-    devices = config.get("trainer.devices")
-    world = (devices if isinstance(devices, int) else 1) * (config.get("trainer.num_nodes") or 1)
-    return float(config.get("data.batch_size") or 0) * (config.get("data.seq_len") or 0) * world * (
-        config.get("trainer.accumulate_grad_batches") or 1)
+SEED_KEY = "seed_everything"  # the replicate key of `--group-by`
 
 
 def _last(scalars: dict[str, list], tag: str) -> float | None:
     return scalars[tag][-1][1] if scalars.get(tag) else None
 
 
-def summary(run: dict[str, Any], last: int) -> dict[str, Any]:
+def summary(run: dict[str, Any], last: int, metric: str = "val/loss") -> dict[str, Any]:
     s = run["scalars"]
-    val = [v for _, v in s.get("val/loss", [])]
+    val = [v for _, v in s.get(metric, [])]
     bpb = _last(s, "val/bpb") if "val/bpb" in s else _last(s, "eval/val/bpb")
     steps = max((points[-1][0] for tag, points in s.items() if tag.startswith("train/")), default=0)
     tokens = (run["manifest"] or {}).get("tokens_seen") if (run["manifest"] or {}).get("step") == steps else None
@@ -85,7 +60,7 @@ def summary(run: dict[str, Any], last: int) -> dict[str, Any]:
     logits = [_last(s, tag) for tag in s if re.fullmatch(r"attn/max_logit/L\d+", tag)]
     tps = [v for _, v in s.get("throughput/tokens_per_sec", [])[-last:]]
     return {
-        "val_loss": val[-1] if val else None, "val_spread": float(np.std(val[-last:])) if val else None,
+        "metric": val[-1] if val else None, "spread": float(np.std(val[-last:])) if val else None,
         "bpb": bpb, "steps": steps, "tokens": tokens if tokens is not None else steps * tokens_per_step(run),
         "tokens_per_sec": float(np.mean(tps)) if tps else None,
         "max_attn_logit": max(logits) if logits else None, "resid_growth": growth,
@@ -108,21 +83,21 @@ def _fmt(value: Any, spec: str = ".4f") -> str:
     return "-" if value is None else format(value, spec)
 
 
-def report(runs: list[dict[str, Any]], summaries: list[dict[str, Any]], last: int) -> str:
+def report(runs: list[dict[str, Any]], summaries: list[dict[str, Any]], last: int, metric: str = "val/loss") -> str:
     names = [r["dir"].name for r in runs]
     diffs = config_differences(runs)
     parts = ["config differences:" if diffs else "config differences: none (apart from the run names)"]
     if diffs:
         parts.append(_table(["setting", *names], [[k, *(str(v) for v in vals)] for k, vals in diffs.items()]))
-    rows = [[name, f"{_fmt(m['val_loss'])} ± {_fmt(m['val_spread'])}", _fmt(m["bpb"]), str(m["steps"]),
+    rows = [[name, f"{_fmt(m['metric'])} ± {_fmt(m['spread'])}", _fmt(m["bpb"]), str(m["steps"]),
              f"{m['tokens']:,.0f}", _fmt(m["tokens_per_sec"], ",.0f"), _fmt(m["max_attn_logit"], ".2f"),
              _fmt(m["resid_growth"], ".2f")] for name, m in zip(names, summaries, strict=False)]
-    parts += ["", f"final metrics (± = std over the last {last} evaluations):",
-              _table(["run", "val loss", "bpb", "steps", "tokens", "tok/s", "max attn logit", "resid growth"], rows)]
+    parts += ["", f"final metrics (± = std over the last {last} values of {metric}):",
+              _table(["run", metric, "bpb", "steps", "tokens", "tok/s", "max attn logit", "resid growth"], rows)]
     return "\n".join(parts) + "\n"
 
 
-def plot(runs: list[dict[str, Any]], out: Path) -> None:
+def plot(runs: list[dict[str, Any]], out: Path, metric: str = "val/loss") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -131,13 +106,13 @@ def plot(runs: list[dict[str, Any]], out: Path) -> None:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for run in runs:
         per_step = tokens_per_step(run)
-        for tag, style in (("train/loss", "-"), ("val/loss", "--")):
+        for tag, style in (("train/loss", "-"), (metric, "--")):
             points = run["scalars"].get(tag, [])
             if points:
                 steps, values = zip(*points, strict=False)
-                ax.plot(np.array(steps) * per_step, values, style, label=f"{run['dir'].name} {tag.split('/')[0]}")
+                ax.plot(np.array(steps) * per_step, values, style, label=f"{run['dir'].name} {tag}")
     ax.set_xlabel("tokens")
-    ax.set_ylabel("loss")
+    ax.set_ylabel("loss" if metric.endswith("loss") else f"loss, {metric}")
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
     fig.tight_layout()
@@ -148,20 +123,93 @@ def plot(runs: list[dict[str, Any]], out: Path) -> None:
     tmp.replace(out)  # atomically
 
 
+def status(run: dict[str, Any], metric: str) -> str:
+    """finished (a checkpoint at trainer.max_steps), diverged (recorded so by `normlab sweep`, or a non-finite
+    train/loss or metric logged), else unfinished."""
+    import json
+
+    record = run["dir"] / RUN_RECORD
+    if record.is_file() and json.loads(record.read_text() or "{}").get("status") == "diverged":
+        return "diverged"
+    if any(not math.isfinite(v) for tag in ("train/loss", metric) for _, v in run["scalars"].get(tag, [])):
+        return "diverged"
+    max_steps = run["config"].get("trainer.max_steps")
+    done = run["manifest"] is not None and isinstance(max_steps, int) and run["manifest"]["step"] >= max_steps > 0
+    return "finished" if done else "unfinished"
+
+
+def group(runs: list[dict[str, Any]], keys: list[str], metric: str) -> list[RunResult]:
+    """Each run as a result of the cell named by its values of `keys`, its seed the replicate."""
+    out, seen = [], {}
+    for run in runs:
+        for key in keys:
+            if key not in run["config"]:
+                near = difflib.get_close_matches(key, list(run["config"]), n=3)
+                raise UserError(f"--group-by {key}: no such key in '{run['dir'] / 'config.yaml'}'"
+                                + (f"; did you mean {' or '.join(near)}?" if near else ""))
+        params = {k: run["config"][k] for k in keys}
+        cell = ",".join(f"{k.rsplit('.', 1)[-1]}={v}" for k, v in params.items())
+        seed = run["config"].get(SEED_KEY)
+        if (cell, seed) in seen:
+            raise UserError(f"runs '{seen[cell, seed]}' and '{run['dir']}' are both {cell} at {SEED_KEY}={seed}: "
+                            "a cell needs one run per seed; group by the key that tells them apart")
+        seen[cell, seed] = run["dir"]
+        out.append(result(cell, params, seed, run["dir"], status(run, metric), metric, run))
+    return out
+
+
+def grouped(runs: list[dict[str, Any]], args: argparse.Namespace) -> str:
+    """The sweep report's tables for the runs grouped by `--group-by`."""
+    from training.sweep.report import check, tables
+
+    results = group(runs, args.group_by, args.metric)
+    lr_key = args.lr_key if args.lr_key in args.group_by else None
+    sweep = {"metric": args.metric, "mode": args.mode, "baseline": args.baseline, "margin": args.margin,
+             "lr_key": lr_key, "axes": args.group_by}
+    check(results, sweep)
+    loose = [k for k, vals in config_differences(runs).items() if k not in (*args.group_by, SEED_KEY)]
+    lines = tables(sweep, results)
+    if loose:
+        lines += [f"Note: the runs also differ in {', '.join(loose)} (not grouped by): a cell's seeds may differ "
+                  "in more than the seed."]
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="normlab compare", description=__doc__.split("\n\n")[0])
     ap.add_argument("runs", nargs="+", type=Path, help="run directories (runs/NAME)")
-    ap.add_argument("--last", type=int, default=3, help="evaluations / throughput points the spread and mean use")
+    ap.add_argument("--metric", default="val/loss", help="the scalar tag compared (any TensorBoard tag, e.g. eval/...)")
+    ap.add_argument("--last", type=int, default=3, help="metric / throughput points the spread and mean use")
     ap.add_argument("--plot", type=Path, default=Path("compare.png"), help="where the loss-vs-tokens plot goes")
+    ap.add_argument("--group-by", nargs="+", metavar="KEY", help="config keys that make a cell (seeds replicate)")
+    ap.add_argument("--mode", choices=("min", "max"), default="min", help="with --group-by: which way is better")
+    ap.add_argument("--baseline", help="with --group-by: the cell the others are compared with (as printed)")
+    ap.add_argument("--margin", type=float, help="with --baseline: the equivalence margin (in the metric's units)")
+    ap.add_argument("--lr-key", default="optim.lr", help="with --group-by: the learning-rate key, if grouped by")
     args = ap.parse_args(argv)
     try:
         if args.last < 1:
-            raise CompareError(f"--last {args.last}: must be at least 1")
+            raise UserError(f"--last {args.last}: must be at least 1")
+        if args.margin is not None and not args.margin > 0:
+            raise UserError(f"--margin {args.margin}: must be > 0 (the smallest difference that matters)")
+        if (args.baseline or args.margin is not None) and not args.group_by:
+            raise UserError("--baseline and --margin compare cells: give --group-by KEY... too")
         runs = [read_run(path) for path in args.runs]
-    except CompareError as err:
-        print(f"normlab compare: error: {err}", file=sys.stderr)
-        return 2
-    sys.stdout.write(report(runs, [summary(r, args.last) for r in runs], args.last))
-    plot(runs, args.plot)
+        if args.group_by:
+            text = grouped(runs, args)
+            from training.sweep import plots
+            from training.sweep.analysis import cells_of
+
+            plots.curves(cells_of(group(runs, args.group_by, args.metric)), plots.curve_tags(args.metric), args.plot)
+        else:
+            if not any(args.metric in r["scalars"] for r in runs):
+                tags = plain_tags(t for r in runs for t in r["scalars"])
+                raise UserError(f"--metric {args.metric!r} is logged by none of the runs; choose a scalar tag "
+                                f"they log, e.g. {', '.join(tags[:12])}")
+            text = report(runs, [summary(r, args.last, args.metric) for r in runs], args.last, args.metric)
+            plot(runs, args.plot, args.metric)
+    except UserError as err:
+        return report_error("compare", err)
+    sys.stdout.write(text)
     print(f"\nloss against tokens: {args.plot}")
     return 0

@@ -17,9 +17,11 @@ interest, fixed before any run) has four outcomes:
 - INCONCLUSIVE — neither: the difference is within its noise.
 
 With several comparisons (a sweep's cells against one baseline, a study's primary tests) `judge_family` adjusts
-both families of p-values with Holm's step-down procedure before applying the rule, so the chance of any false
+each family of p-values with Holm's step-down procedure before applying the rule, so the chance of any false
 BETTER/WORSE (or any false EQUIVALENT) across the family stays ≤ α. Outcomes that are not numbers — a run that
-diverged or stalled — are compared as counts with exact tests (`outcome_test`), never dropped as missing.
+diverged — are compared as counts with exact tests (`outcome_test`), never dropped as missing: given the seeds
+whose run diverged in one arm only, `judge_family` decides on those first (see `_verdict`).
+A run's outcome (trains / stalled / diverged) is `training_outcome` of its training losses.
 """
 from __future__ import annotations
 
@@ -174,44 +176,83 @@ class Judgement:
     adjustment across the family, and the verdict."""
 
     difference: Estimate
-    margin: float
+    margin: float | None
     p_difference: float
     p_equivalent: float
     p_difference_adjusted: float
     p_equivalent_adjusted: float
     verdict: str
+    discordant: tuple[int, int] = (0, 0)  # seeds diverged in the candidate only, in the baseline only
+    p_outcome: float = math.nan  # McNemar's exact test on `discordant` (NaN: no discordant seed, nothing to test)
+    p_outcome_adjusted: float = math.nan
 
 
-def _verdict(d: Estimate, p_diff: float, p_equiv: float, better: str, alpha: float) -> str:
+def _direction(candidate_wins: bool) -> str:
+    return BETTER if candidate_wins else WORSE
+
+
+def _metric_verdict(d: Estimate, p_diff: float, p_equiv: float, better: str, alpha: float) -> str:
     if not math.isnan(p_equiv) and p_equiv < alpha:
         return EQUIVALENT
     if not math.isnan(p_diff) and p_diff < alpha and d.mean != 0:
-        lower_wins = better == "lower"
-        return BETTER if (d.mean < 0) == lower_wins else WORSE
+        return _direction((d.mean < 0) == (better == "lower"))
     return INCONCLUSIVE
 
 
-def judge_family(differences: Mapping[str, Estimate], margin: float, better: str = "lower",
-                 alpha: float = ALPHA) -> dict[str, Judgement]:
+def _verdict(d: Estimate, p_diff: float, p_equiv: float, better: str, alpha: float,
+             discordant: tuple[int, int], p_outcome: float) -> str:
+    """The verdict of one comparison from its Holm-adjusted p-values.
+
+    With no seed that diverged in one arm only, the metric decides (`d` is over the seeds where both arms have
+    a number). Otherwise a divergence is a difference the metric's interval cannot see, so: when the exact test
+    on the discordant seeds rejects, the arm that diverges less is BETTER (a diverged run is worse than any run
+    that trained) — unless the metric significantly says the opposite, which is INCONCLUSIVE; when it does not
+    reject, INCONCLUSIVE (never EQUIVALENT: one arm diverged where the other did not)."""
+    metric = _metric_verdict(d, p_diff, p_equiv, better, alpha)
+    only_candidate, only_baseline = discordant
+    if only_candidate + only_baseline == 0:
+        return metric
+    if math.isnan(p_outcome) or p_outcome >= alpha:
+        return INCONCLUSIVE
+    by_outcome = _direction(only_candidate < only_baseline)
+    return by_outcome if metric in (by_outcome, EQUIVALENT, INCONCLUSIVE) else INCONCLUSIVE
+
+
+def judge_family(differences: Mapping[str, Estimate], margin: float | None, better: str = "lower",
+                 alpha: float = ALPHA, discordant: Mapping[str, tuple[int, int]] | None = None
+                 ) -> dict[str, Judgement]:
     """The four-way verdict of each difference (candidate − baseline) against ±`margin`, Holm-adjusted across
-    the family. `better`: "lower" (a loss) or "higher" (an accuracy) — which sign of the difference is good."""
+    the family. `better`: "lower" (a loss) or "higher" (an accuracy) — which sign of the difference is good.
+    `margin` None: no equivalence test (the verdict is BETTER, WORSE or INCONCLUSIVE).
+    `discordant`: per comparison, (seeds whose run diverged in the candidate only, in the baseline only), for
+    paired arms; their McNemar exact p-values form a third family, Holm-adjusted over the comparisons that have
+    a discordant seed (one with none cannot reject, so it does not count towards k — Tarone 1990)."""
     if better not in ("lower", "higher"):
         raise ValueError(f"better={better!r} must be 'lower' or 'higher'")
-    if not margin > 0:
+    if margin is not None and not margin > 0:
         raise ValueError(f"margin={margin!r} must be > 0 (the smallest difference that matters)")
     names = list(differences)
+    counts = [(discordant or {}).get(n, (0, 0)) for n in names]
     p_diff = [differences[n].p_value() for n in names]
-    p_equiv = [differences[n].p_equivalent(margin) for n in names]
-    adj_diff, adj_equiv = holm(p_diff), holm(p_equiv)
+    p_equiv = [math.nan if margin is None else differences[n].p_equivalent(margin) for n in names]
+    p_out = [outcome_test(0, 0, 0, 0, discordant=c) if sum(c) else math.nan for c in counts]
+    adj_diff, adj_equiv, adj_out = holm(p_diff), holm(p_equiv), holm(p_out)
     return {n: Judgement(differences[n], margin, p_diff[i], p_equiv[i], adj_diff[i], adj_equiv[i],
-                         _verdict(differences[n], adj_diff[i], adj_equiv[i], better, alpha))
+                         _verdict(differences[n], adj_diff[i], adj_equiv[i], better, alpha, counts[i], adj_out[i]),
+                         counts[i], p_out[i], adj_out[i])
             for i, n in enumerate(names)}
 
 
-def judge(difference_: Estimate, margin: float, better: str = "lower", alpha: float = ALPHA) -> Judgement:
+def judge(difference_: Estimate, margin: float | None, better: str = "lower", alpha: float = ALPHA,
+          discordant: tuple[int, int] = (0, 0)) -> Judgement:
     """`judge_family` of a single comparison: EQUIVALENT exactly when the (1−α) interval is inside ±margin,
     BETTER/WORSE when it excludes 0."""
-    return judge_family({"_": difference_}, margin, better, alpha)["_"]
+    return judge_family({"_": difference_}, margin, better, alpha, {"_": discordant})["_"]
+
+
+def no_estimate(n: int = 0) -> Estimate:
+    """The estimate of nothing (no seed with a number on both sides): NaN, which no test can judge."""
+    return Estimate(math.nan, math.nan, n, math.nan, math.nan, math.nan, 0.0)
 
 
 def outcome_test(bad_a: int, n_a: int, bad_b: int, n_b: int, discordant: tuple[int, int] | None = None) -> float:
@@ -227,6 +268,24 @@ def outcome_test(bad_a: int, n_a: int, bad_b: int, n_b: int, discordant: tuple[i
     return float(_scipy.fisher_exact(table).pvalue)
 
 
+STALL_NATS = 0.1  # progress over the last 80% of steps below which a run "stalled"
+
+
+def training_outcome(losses: Sequence[float], diverged: bool = False) -> str:
+    """A run's outcome from its training losses in step order (the study's definition):
+    "diverged" — `diverged` (the loss became non-finite and training stopped), a non-finite loss, or a mean over
+    the last 10% of the losses above the first one; "stalled" — less than STALL_NATS of progress from the best of
+    the first 20% to that tail mean; else "trains"."""
+    if diverged or not losses:
+        return "diverged"
+    tail = losses[-max(1, len(losses) // 10):]
+    end = sum(tail) / len(tail)
+    if not all(math.isfinite(x) for x in losses) or end > losses[0]:
+        return "diverged"
+    early = min(losses[: max(1, len(losses) // 5)])
+    return "stalled" if early - end < STALL_NATS else "trains"
+
+
 def lr_sensitivity(final_by_lr: Mapping[float, float], initial_loss: float) -> float:
     """Wortsman et al. 2023's learning-rate sensitivity of one configuration: the mean over the LR grid of
     min(final loss, initial loss) − the best final loss. A diverged run (non-finite loss) counts as the loss at
@@ -234,8 +293,14 @@ def lr_sensitivity(final_by_lr: Mapping[float, float], initial_loss: float) -> f
     sensitive, and one whose loss is flat across the grid scores 0."""
     if not final_by_lr:
         raise ValueError("lr_sensitivity needs at least one learning rate")
-    capped = [min(x, initial_loss) if math.isfinite(x) else initial_loss for x in final_by_lr.values()]
+    capped = [capped_loss(x, initial_loss) for x in final_by_lr.values()]
     return statistics.fmean(capped) - min(capped)
+
+
+def capped_loss(loss: float, initial_loss: float) -> float:
+    """A final loss as LR sensitivity counts it: no worse than the loss at initialization, which is also what a
+    diverged run (a non-finite loss) counts as."""
+    return min(loss, initial_loss) if math.isfinite(loss) else initial_loss
 
 
 def verdict(est: Estimate, kind: str, threshold: float = 0.0, tolerance: float = 0.0) -> str:

@@ -18,6 +18,7 @@ from model import Transformer
 from model.norms import Norm
 from model.probes import record
 from training.optim import OptimConfig, build_optimizer, plain_update
+from training.stats import training_outcome
 from training.study.grid import AtInit, Scale, Train
 
 PROBE_TAGS = ("resid/", "attn/max_logit/", "attn/saturated_frac/")
@@ -113,14 +114,8 @@ def final_loss(result: dict) -> float:
 
 
 def outcome(result: dict) -> str:
-    """"diverged": a non-finite loss, or the last 10% above the first step's loss; "stalled": less than 0.1
-    nats of progress over the last 80% of steps; else "trains"."""
-    losses = result["losses"]
-    end = final_loss(result)
-    if not math.isfinite(end) or end > losses[0]:
-        return "diverged"
-    early = min(losses[: max(1, len(losses) // 5)])
-    return "stalled" if early - end < 0.1 else "trains"
+    """trains / stalled / diverged (`training.stats.training_outcome`, shared with the sweeps' report)."""
+    return training_outcome(result["losses"], result["diverged_at"] is not None)
 
 
 def at_init(spec: AtInit, seed: int, scale: Scale, tokens: torch.Tensor, vocab_size: int) -> dict:

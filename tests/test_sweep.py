@@ -1,0 +1,214 @@
+"""`normlab sweep`, local executor, on real tiny fit runs: kill -9 and rerun, idempotency, spec-edit refusal,
+dry-run, status, divergence, bad specs."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from training.cli import main
+from training.sweep.spec import load_spec
+from training.sweep.state import run_status
+
+ROOT = Path(__file__).resolve().parents[1]
+HELPERS = ROOT / "tests" / "helpers"
+STEPS = 16
+
+
+def write_spec(work: Path, name: str, **changes) -> Path:
+    spec = {"name": name, "runs_dir": str(work / "runs"),
+            "base": {"config": [str(work / "tiny.yaml")],
+                     "overrides": {"data.path": str(work / "tiny"), "trainer.max_steps": STEPS}},
+            "grid": {"model.placement": ["pre", "post"]}, "seeds": [0, 1], "baseline": "placement=pre",
+            "margin": 0.05, **changes}
+    path = work / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    return path
+
+
+def sweep(spec: Path, *args: str, **kw) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.Popen([sys.executable, "-m", "training.cli", "sweep", str(spec), *args], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kw)
+
+
+def final_state(run_dir: Path) -> dict[str, torch.Tensor]:
+    """The model and optimizer tensors of the run's final checkpoint (everything training carries on with)."""
+    ckpt = torch.load(run_dir / "checkpoints" / f"step-{STEPS:08d}" / "model.ckpt", map_location="cpu",
+                      weights_only=False)
+    tensors = dict(ckpt["state_dict"])
+    for i, opt in enumerate(ckpt["optimizer_states"]):
+        for p, st in opt["state"].items():
+            tensors.update({f"opt{i}.{p}.{k}": v for k, v in st.items() if torch.is_tensor(v)})
+    return tensors
+
+
+def files(run_dir: Path) -> dict[str, tuple[int, int, bytes]]:
+    """Every checkpoint file of a run: inode, mtime and content — a retrained or rewritten file changes them."""
+    return {str(p.relative_to(run_dir)): (p.stat().st_ino, p.stat().st_mtime_ns, p.read_bytes())
+            for p in sorted((run_dir / "checkpoints").rglob("*")) if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def work(workdir: Path) -> Path:
+    shutil.copy(HELPERS / "tiny.yaml", workdir / "tiny.yaml")
+    return workdir
+
+
+@pytest.fixture(scope="module")
+def reference(work: Path) -> Path:
+    """An uninterrupted 2 cells × 2 seeds sweep."""
+    spec = write_spec(work, "ref")
+    proc = sweep(spec, "--max-parallel", "2")
+    out, _ = proc.communicate(timeout=900)
+    assert proc.returncode == 0, out
+    return spec
+
+
+@pytest.mark.slow
+def test_kill_9_mid_sweep_then_rerun_resumes_and_matches_the_uninterrupted_sweep(work, reference):
+    spec = write_spec(work, "killed")
+    sweep_dir = work / "runs" / "killed"
+    runs = [r.rel for r in load_spec(spec).runs()]
+    proc = sweep(spec, "--max-parallel", "2", start_new_session=True)
+    # Kill once a run has finished and another is part-way (a complete checkpoint short of the end).
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        states = [run_status(sweep_dir / r) for r in runs]
+        if any(s == "finished" for s, _, _ in states) and any(s != "finished" and 0 < step < STEPS
+                                                               for s, step, _ in states):
+            break
+        time.sleep(0.1)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.communicate()
+    states = {r: run_status(sweep_dir / r) for r in runs}
+    finished = [r for r, (s, _, _) in states.items() if s == "finished"]
+    partial = [r for r, (s, step, _) in states.items() if s != "finished" and step > 0]
+    assert finished and partial, states
+    before = {r: files(sweep_dir / r) for r in finished}
+    partial_ckpts = {r: files(sweep_dir / r) for r in partial}
+
+    rerun = sweep(spec, "--max-parallel", "2")
+    out, _ = rerun.communicate(timeout=900)
+    assert rerun.returncode == 0, out
+    for r in finished:  # not retrained: the same files, inodes and times
+        assert files(sweep_dir / r) == before[r], r
+    for r in partial:  # resumed: the checkpoints it had are kept as they were, the fit log shows a second attempt
+        after = files(sweep_dir / r)
+        assert all(after[f] == v for f, v in partial_ckpts[r].items() if "incomplete" not in f), r
+        assert "sweep attempt 2" in (sweep_dir / r / "fit.log").read_text()
+    state = json.loads((sweep_dir / "sweep.json").read_text())
+    assert [(e["run_dir"], e["status"], e["step"]) for e in state["runs"]] == [(r, "finished", STEPS) for r in runs]
+    for r in runs:  # bit for bit the uninterrupted sweep's weights and optimizer state
+        got, want = final_state(sweep_dir / r), final_state(work / "runs" / "ref" / r)
+        assert got.keys() == want.keys()
+        assert all(torch.equal(got[k], want[k]) for k in want), r
+
+
+@pytest.mark.slow
+def test_rerun_of_a_finished_sweep_trains_nothing_and_status_shows_every_run(work, reference, capsys):
+    sweep_dir = work / "runs" / "ref"
+    before = {r: files(sweep_dir / r) for r in ("placement=pre/s0", "placement=post/s1")}
+    assert main(["sweep", str(reference)]) == 0
+    assert {r: files(sweep_dir / r) for r in before} == before
+    capsys.readouterr()
+    assert main(["sweep", str(reference), "--status"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].split() == ["run", "status", "step", "val/loss"]
+    rows = {line.split()[0]: line.split()[1:] for line in out[1:5]}
+    assert set(rows) == {"placement=pre/s0", "placement=pre/s1", "placement=post/s0", "placement=post/s1"}
+    from tests.helpers.runs import scalars
+
+    for rel, (status, step, metric) in rows.items():
+        val = scalars(sweep_dir / rel, "val/loss")
+        assert (status, int(step), metric) == ("finished", STEPS, f"{val[max(val)]:.4f}")
+
+
+@pytest.mark.slow
+def test_a_spec_edit_that_changes_a_trained_run_is_refused_naming_it(work, reference, capsys):
+    # New cells would be new runs; an edit of an existing run's arguments is what must be refused:
+    changed = write_spec(work, "ref", base={"config": [str(work / "tiny.yaml")], "overrides": {
+        "data.path": str(work / "tiny"), "trainer.max_steps": STEPS, "optim.lr": 0.01}})
+    assert main(["sweep", str(changed), "--dry-run"]) == 0  # a dry-run only lists
+    capsys.readouterr()
+    assert main(["sweep", str(changed)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "placement=pre/s0" in err[0] and "--optim.lr=0.01" in err[0], err
+    # ...and so is an edit of a -c file's contents.
+    write_spec(work, "ref")
+    tiny = work / "tiny.yaml"
+    original = tiny.read_text()
+    try:
+        tiny.write_text(original + "# edited\n")
+        assert main(["sweep", str(reference)]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "tiny.yaml (file edited)" in err[0], err
+    finally:
+        tiny.write_text(original)
+
+
+def test_dry_run_lists_every_run_and_its_exact_fit_command(work, capsys):
+    spec = write_spec(work, "dry", grid={"model.placement": ["pre", "post"]},
+                      zip={"optim.lr": [0.001, 0.003], "optim.min_lr": [0.0001, 0.0003]}, seeds=[3],
+                      data_order="seed", baseline=None)
+    assert main(["sweep", str(spec), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    cells = ["placement=pre,lr=0.001,min_lr=0.0001", "placement=pre,lr=0.003,min_lr=0.0003",
+             "placement=post,lr=0.001,min_lr=0.0001", "placement=post,lr=0.003,min_lr=0.0003"]
+    assert [line.split()[0] for line in out.splitlines()[1::2]] == [f"{c}/s3" for c in cells]
+    sweep_dir = work / "runs" / "dry"
+    assert (f"python -m training.cli fit -c {work}/tiny.yaml --data.path={work}/tiny --trainer.max_steps=16 "
+            f"--model.placement=post --optim.lr=0.003 --optim.min_lr=0.0003 --data.seed=3 --seed_everything=3 "
+            f"--runs_dir={sweep_dir}/placement=post,lr=0.003,min_lr=0.0003 --name=s3 --ckpt_path=last") in out
+    assert not sweep_dir.exists()  # nothing written
+
+
+@pytest.mark.parametrize("example", sorted((ROOT / "configs" / "sweeps").glob("*.yaml")), ids=lambda p: p.name)
+def test_example_specs_parse(example, monkeypatch, capsys):
+    monkeypatch.chdir(ROOT)
+    assert main(["sweep", str(example), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("python -m training.cli fit") == len(load_spec(example).runs()) == 18
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"grd": {}}, "unknown key 'grd'; valid keys: name"),
+    ({"grid": {"model.placement": "pre"}}, "grid.model.placement must be a non-empty list"),
+    ({"grid": {"model.placement": ["a/b"]}}, "value 'a/b' must be"),
+    ({"grid": {"name": ["x"]}}, "the runner sets name itself"),
+    ({"seeds": [0, 0]}, "seeds must be a list of distinct"),
+    ({"baseline": "placement=mid"}, "baseline 'placement=mid' is not a cell; the cells are: placement=pre"),
+    ({"zip": {"optim.lr": [1, 2], "optim.min_lr": [1]}}, "zip axes must have equal lengths"),
+    ({"base": {"config": ["nope.yaml"]}}, "base.config file 'nope.yaml' does not exist"),
+    ({"mode": "lowest"}, "mode 'lowest' is not one of ['min', 'max']"),
+])
+def test_a_bad_spec_is_one_line_naming_the_field(work, change, message):
+    spec = write_spec(work, "bad", **change)
+    proc = sweep(spec, "--dry-run")
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 2 and out.count("\n") == 1, out
+    assert out.startswith(f"normlab sweep: error: sweep spec '{spec}': ") and message in out, out
+
+
+@pytest.mark.slow
+def test_a_diverging_run_is_recorded_and_the_others_go_on(work):
+    # lr 1e30: the first update blows the weights up, the next loss is not finite, and normlab's guard aborts.
+    spec = write_spec(work, "div", grid={"optim.lr": [1.0e30, 0.001]}, seeds=[0], baseline=None,
+                      base={"config": [str(work / "tiny.yaml")], "overrides": {
+                          "data.path": str(work / "tiny"), "trainer.max_steps": 4}})
+    proc = sweep(spec, "--max-parallel", "2")
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, out  # a divergence is an outcome of the sweep, not its failure
+    state = json.loads((work / "runs" / "div" / "sweep.json").read_text())
+    assert [(r["cell"], r["status"]) for r in state["runs"]] == [("lr=1e+30", "diverged"), ("lr=0.001", "finished")]
+    record = json.loads((work / "runs" / "div" / "lr=1e+30" / "s0" / "sweep-run.json").read_text())
+    assert "NonFiniteError" in record["error"], record

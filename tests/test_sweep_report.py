@@ -1,0 +1,209 @@
+"""The sweep report on a real local sweep of tiny `normlab fit` runs (`normlab sweep SPEC`, then `--report`):
+every number in report.md and runs.csv equals the one recomputed here from each run's own TensorBoard event
+files (EventAccumulator directly, and scipy for the intervals), a diverged run is counted as an outcome,
+`normlab compare --group-by` prints the same tables, and bad input is one line."""
+from __future__ import annotations
+
+import csv
+import json
+import statistics
+from pathlib import Path
+
+import pytest
+import scipy.stats as scipy_stats
+import yaml
+
+from tests.helpers.multiproc import REPO, run_normlab
+from training.errors import UserError
+from training.sweep.report import write_report
+
+pytestmark = pytest.mark.slow
+
+TINY = REPO / "tests" / "helpers" / "tiny.yaml"
+HUGE_LR = 30.0  # AdamW takes steps of ~lr: the gradients become non-finite, the guard stops the run
+# 2 placements × 2 LRs (the default, and one that diverges) × 2 seeds
+CELLS = [(f"placement={p},lr={lr!r}", {"model.placement": p, "optim.lr": lr}) for p in ("pre", "post")
+         for lr in (0.001, HUGE_LR)]
+RUNS = [(cell, params, seed) for cell, params in CELLS for seed in (0, 1)]
+BASELINE, HUGE, POST, POST_HUGE = (cell for cell, _ in CELLS)
+
+
+@pytest.fixture(scope="module")
+def sweep(workdir: Path) -> Path:
+    """runs/demo: the eight runs trained by `normlab sweep`, two at a time."""
+    spec = {"name": "demo", "runs_dir": str(workdir / "runs"),
+            "base": {"config": [str(TINY)], "overrides": {"data.path": str(workdir / "tiny")}},
+            "grid": {"model.placement": ["pre", "post"], "optim.lr": [0.001, HUGE_LR]},
+            "seeds": [0, 1], "metric": "val/loss", "mode": "min", "baseline": BASELINE, "margin": 0.05}
+    (workdir / "demo.yaml").write_text(yaml.safe_dump(spec))
+    run_normlab(["sweep", str(workdir / "demo.yaml"), "--max-parallel", "2"], cwd=workdir, timeout=900)
+    root = workdir / "runs" / "demo"
+    state = json.loads((root / "sweep.json").read_text())
+    assert {(r["cell"], r["seed"]): r["status"] for r in state["runs"]} == {
+        (c, s): "diverged" if p["optim.lr"] == HUGE_LR else "finished" for c, p, s in RUNS}
+    return root
+
+
+def _events(run_dir: Path, tag: str) -> list[float]:
+    """The values of `tag` in step order, straight from the event files."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})
+    acc.Reload()
+    return [e.value for e in sorted(acc.Scalars(tag), key=lambda e: e.step)]
+
+
+def _row(report: str, first_cell: str) -> list[str]:
+    lines = [line for line in report.splitlines() if line.startswith(f"| {first_cell} |")]
+    assert lines, (first_cell, report)
+    return [c.strip() for c in lines[0].strip("|").split("|")]
+
+
+def _section(report: str, title: str) -> str:
+    return report.split(f"## {title}", 1)[1].split("\n## ", 1)[0]
+
+
+def _csv(path: Path) -> dict[tuple[str, str], dict[str, str]]:
+    return {(r["cell"], r["seed"]): r for r in csv.DictReader(path.open())}
+
+
+def test_report_numbers_equal_those_recomputed_from_the_event_files(sweep):
+    proc = run_normlab(["sweep", str(sweep.parents[1] / "demo.yaml"), "--report"], cwd=sweep.parents[1])
+    out = sweep / "report" / "report.md"
+    assert proc.stdout.strip() == f"report: {out}"
+    text = out.read_text()
+    final = {(c, s): _events(sweep / c / f"s{s}", "val/loss")[-1] for c, p, s in RUNS if p["optim.lr"] != HUGE_LR}
+
+    # runs.csv: every run's final metric exactly, at the last step (8), and its outcome by the study's rule
+    rows = _csv(sweep / "report" / "runs.csv")
+    outcomes = {}
+    for cell, seed in final:
+        losses = _events(sweep / cell / f"s{seed}", "train/loss")  # 8 steps: the tail is the last, the head the first
+        outcomes[cell, seed] = "trains" if losses[0] - losses[-1] >= 0.1 else "stalled"
+        row = rows[cell, str(seed)]
+        assert (float(row["final"]), row["final_step"]) == (final[cell, seed], "8")
+        assert row["outcome"] == outcomes[cell, seed]
+        assert row["run_dir"] == f"{cell}/s{seed}"
+
+    # per cell: mean ± sd and the 95% t-interval (scipy), over the two seeds
+    cells = _section(text, "Cells")
+    for cell in (BASELINE, POST):
+        xs = [final[cell, 0], final[cell, 1]]
+        lo, hi = scipy_stats.t.interval(0.95, 1, loc=statistics.fmean(xs), scale=scipy_stats.sem(xs))
+        counts = [sum(outcomes[cell, s] == o for s in (0, 1)) for o in ("trains", "stalled")]
+        row = _row(cells, cell)
+        assert row[1:5] == ["2", f"{counts[0]} / {counts[1]} / 0",
+                            f"{statistics.fmean(xs):.4f} ± {statistics.stdev(xs):.4f} (n=2)", f"[{lo:.4f}, {hi:.4f}]"]
+        assert row[5] == f"s0: {xs[0]:.4f}, s1: {xs[1]:.4f}"
+
+    # against the baseline: the paired difference, its interval and p-value (scipy's paired t-test); Holm's
+    # correction leaves a family of one testable comparison unchanged (the diverged cells have no pair)
+    post, pre = ([final[c, s] for s in (0, 1)] for c in (POST, BASELINE))
+    res = scipy_stats.ttest_rel(post, pre)
+    ci = res.confidence_interval(0.95)
+    row = _row(_section(text, "Against the baseline"), POST)
+    assert row[1:5] == ["2 of 2", f"{statistics.fmean(post) - statistics.fmean(pre):+.4f}",
+                        f"[{ci.low:+.4f}, {ci.high:+.4f}]", f"{res.pvalue:.3g}, {res.pvalue:.3g}"]
+
+
+def test_a_diverged_run_is_an_outcome_not_a_number(sweep, tmp_path):
+    text = write_report(sweep, tmp_path / "report").read_text()
+    rows = _csv(tmp_path / "report" / "runs.csv")
+    for cell in (HUGE, POST_HUGE):
+        row = _row(_section(text, "Cells"), cell)
+        assert row[1:6] == ["2", "0 / 0 / 2", "—", "—", "s0: diverged, s1: diverged"]
+        # against the baseline: no pair with two numbers, two seeds diverged here only (McNemar: p = 0.5; Holm
+        # over the two such cells: 1) — never EQUIVALENT, and too few seeds to call it WORSE
+        row = _row(_section(text, "Against the baseline"), cell)
+        assert row[1] == "0 of 2" and row[6] == "2 / 0: 0.5, 1" and row[7] == "**INCONCLUSIVE**"
+        assert all(rows[cell, s]["outcome"] == "diverged" and rows[cell, s]["final"] == "" for s in ("0", "1"))
+
+    # the LR table: each placement's best LR is the default one, and its LR sensitivity (Wortsman et al.) counts
+    # each diverged run as the initial loss — the median of the group's first logged train/loss values
+    for placement, good_cell in (("pre", BASELINE), ("post", POST)):
+        firsts = [_events(sweep / c / f"s{s}", "train/loss")[0] for c, p, s in RUNS
+                  if p["model.placement"] == placement and (p["optim.lr"] != HUGE_LR or _events(
+                      sweep / c / f"s{s}", "train/loss"))]
+        cap = statistics.median(firsts)
+        per_seed = []
+        for seed in (0, 1):
+            good = min(_events(sweep / good_cell / f"s{seed}", "val/loss")[-1], cap)
+            per_seed.append((good + cap) / 2 - good)  # mean over the two LRs minus the best
+        lo, hi = scipy_stats.t.interval(0.95, 1, loc=statistics.fmean(per_seed), scale=scipy_stats.sem(per_seed))
+        row = _row(_section(text, "Learning rate"), f"placement={placement}")
+        assert row[1] == "0.001" and row[4] == f"{statistics.fmean(per_seed):.4f}, [{lo:.4f}, {hi:.4f}]"
+
+
+def test_runs_the_runner_has_not_finished_are_listed_not_counted(sweep, tmp_path):
+    state = json.loads((sweep / "sweep.json").read_text())
+    status = {(BASELINE, 1): "diverged", (POST, 1): "pending"}  # (the guard stopped one; one not started yet)
+    runs = [{**r, "status": status.get((r["cell"], r["seed"]), r["status"])} for r in state["runs"]]
+    text = write_report(_variant(sweep, tmp_path / "v", runs=runs)).read_text()
+    s0 = _events(sweep / BASELINE / "s0", "val/loss")[-1]
+    row = _row(_section(text, "Cells"), BASELINE)
+    assert row[1] == "2" and row[2].endswith(" / 1") and row[5] == f"s0: {s0:.4f}, s1: diverged"
+    assert _row(_section(text, "Cells"), POST)[1] == "1"
+    row = _row(_section(text, "Against the baseline"), POST)
+    assert row[1] == "1 of 1" and row[7] == "**INCONCLUSIVE**"  # one pair: no interval
+    assert f"`{sweep / POST / 's1'}` ({POST}): pending" in _section(text, "Not included")
+
+
+def test_the_plots_and_files_are_written_whole(sweep, tmp_path):
+    out = write_report(sweep, tmp_path / "r")
+    names = sorted(p.name for p in out.parent.iterdir())
+    assert names == ["curves.png", "lr.png", "report.md", "runs.csv"]  # no temporary file left behind
+    for png in ("curves.png", "lr.png"):
+        assert (out.parent / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert write_report(sweep) == sweep / "report" / "report.md"  # the default place
+
+
+def test_compare_group_by_prints_the_reports_tables(sweep, tmp_path, capsys):
+    from training.cli import main
+
+    report = write_report(sweep, tmp_path / "report").read_text()
+    dirs = [str(sweep / c / f"s{s}") for c, _, s in RUNS]  # the diverged ones too (their own record says so)
+    assert main(["compare", *dirs, "--group-by", "model.placement", "optim.lr", "--baseline", BASELINE,
+                 "--margin", "0.05", "--plot", str(tmp_path / "c.png")]) == 0
+    printed = capsys.readouterr().out
+    for title in ("Cells", "Against the baseline", "Learning rate"):
+        assert _section(printed, title).split("\n\n")[1] == _section(report, title).split("\n\n")[1], title
+
+
+def _variant(sweep: Path, root: Path, **fields) -> Path:
+    """A sweep directory `root` whose sweep.json is the fixture's with `fields` changed, its runs pointing back
+    at the fixture's run directories."""
+    state = json.loads((sweep / "sweep.json").read_text())
+    state.update(fields)
+    state["runs"] = [{**r, "run_dir": str(sweep / r["run_dir"])} for r in state["runs"]]
+    root.mkdir(parents=True)
+    (root / "sweep.json").write_text(json.dumps(state))
+    return root
+
+
+@pytest.mark.parametrize("fields, message", [
+    (None, "no sweep.json in"),
+    ({"metric": "val/lsos"}, "metric 'val/lsos' is logged by none of the 8 runs that finished or diverged; choose"),
+    ({"baseline": "placement=mid"}, "baseline 'placement=mid' is not a cell; choose one of"),
+    ({"margin": -1}, "margin -1 must be a number > 0"),
+    ({"mode": "lowest"}, "mode 'lowest' must be one of"),
+])
+def test_bad_input_is_one_line(sweep, tmp_path, fields, message, capsys):
+    from training.errors import report
+
+    root = tmp_path / "bad"
+    if fields is None:
+        root.mkdir()
+    else:
+        _variant(sweep, root, **fields)
+    with pytest.raises(UserError, match=message) as err:
+        write_report(root)
+    assert report("sweep", err.value) == 2
+    assert len(capsys.readouterr().err.strip().splitlines()) == 1
+    assert not (root / "report").exists()
+
+
+def test_without_margin_or_lr_key(sweep, tmp_path):
+    text = write_report(_variant(sweep, tmp_path / "v", margin=None, lr_key=None)).read_text()
+    assert "no margin" in text and "no equivalence test" in text and "## Learning rate" not in text
+    row = _row(_section(text, "Against the baseline"), POST)
+    assert row[5] == "—, —" and row[7] != "**EQUIVALENT**"

@@ -1,0 +1,100 @@
+"""Training one run: its `fit` subprocess, its record, and the outcome of the attempt.
+
+The same code trains a run under the local executor (one thread per run) and inside a Slurm task, so both
+record a run the same way (state.py). The command is always the run's own `fit ... --ckpt_path=last`: it starts
+the run, or resumes it from its newest complete checkpoint — the sweep adds no resume logic of its own.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from training.errors import UserError
+from training.sweep.spec import Run, Spec
+from training.sweep.state import LOG_FILE, RUN_RECORD, progress, read_json, run_status, write_json
+
+# What a run's log says when normlab's guard stopped it on a non-finite loss or gradient (callbacks/guard.py).
+DIVERGED_MARK = "NonFiniteError"
+
+
+def config_hashes(spec: Spec) -> dict[str, str]:
+    """sha256 of each `-c` file: an edit of a base config changes a run's config as much as an edited argument."""
+    return {c: hashlib.sha256(Path(c).read_bytes()).hexdigest() for c in spec.configs}
+
+
+def identity(args: list[str]) -> list[str]:
+    """The arguments that decide what a run trains — all but where it lives (the sweep directory may move)."""
+    return [a for a in args if not a.startswith("--runs_dir=")]
+
+
+def check_unchanged(spec: Spec, runs: list[Run]) -> None:
+    """Refuse (one line naming the run) a spec whose edit would change the config of a run already trained."""
+    hashes = config_hashes(spec)
+    for run in runs:
+        run_dir = spec.sweep_dir / run.rel
+        record = read_json(run_dir / RUN_RECORD)
+        if record is None or (progress(run_dir)[0] == 0 and run_status(run_dir)[0] != "finished"):
+            continue  # nothing trained yet: the new spec simply applies
+        old, new = identity(record.get("command", [])[4:]), identity(run.fit_args)
+        changed = [a for a in new if a not in old] + [f"(dropped {a})" for a in old if a not in new]
+        changed += [f"{c} (file edited)" for c, h in hashes.items() if record.get("config_hashes", {}).get(c, h) != h]
+        if changed:
+            raise UserError(f"run '{run_dir}' was trained with a different config ({', '.join(changed)}); restore "
+                            "the spec, or give the edited spec a new name (or delete that run to retrain it)")
+
+
+def attempt_outcome(returncode: int, run_dir: Path, log_from: int) -> tuple[str, str | None]:
+    """(status, the error line) of an attempt that exited with `returncode`: its log since `log_from` tells a
+    divergence (normlab's guard) from any other failure."""
+    if returncode == -signal.SIGTERM:
+        return "pending", None  # stopped before its SIGTERM handler was in place (still starting): interrupted
+    if returncode == 0:
+        step, max_steps = progress(run_dir)
+        done = max_steps is None or max_steps <= 0 or step >= max_steps
+        return ("finished" if done else "pending"), None  # exit 0 short of max_steps: stopped by a signal
+    try:
+        with open(run_dir / LOG_FILE, "rb") as f:
+            f.seek(log_from)
+            lines = [ln.strip() for ln in f.read().decode(errors="replace").splitlines() if ln.strip()]
+    except OSError:
+        lines = []
+    error = next((ln for ln in reversed(lines) if "Error" in ln or "error:" in ln), lines[-1] if lines else None)
+    diverged = any(DIVERGED_MARK in ln for ln in lines)
+    return ("diverged" if diverged else "failed"), error or f"exit status {returncode}"
+
+
+def train(spec: Spec, run: Run, env: dict[str, str] | None = None,
+          started: Callable[[subprocess.Popen], Any] | None = None, prefix: list[str] | None = None) -> str:
+    """Train `run` to its end or to its first stop, recording it; returns its status. `started` is called with
+    the fit process (the executors keep it to forward signals); `prefix` runs the command through a launcher
+    (Slurm's `srun`)."""
+    run_dir = spec.sweep_dir / run.rel
+    run_dir.mkdir(parents=True, exist_ok=True)
+    log_path = run_dir / LOG_FILE
+    log_from = log_path.stat().st_size if log_path.exists() else 0
+    previous = read_json(run_dir / RUN_RECORD) or {}
+    base = {"command": run.command, "config_hashes": config_hashes(spec), "attempts": previous.get("attempts", 0) + 1}
+    with open(log_path, "ab") as log:
+        log.write(f"=== sweep attempt {base['attempts']} on {socket.gethostname()} at "
+                  f"{time.strftime('%Y-%m-%dT%H:%M:%S%z')} ===\n".encode())
+        log.flush()
+        proc = subprocess.Popen([*(prefix or []), sys.executable, "-m", "training.cli", "fit", *run.fit_args],
+                                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                env={**os.environ, **(env or {})})
+    write_json(run_dir / RUN_RECORD, {**base, "status": "running", "pid": proc.pid, "host": socket.gethostname(),
+                                      "started": time.time()})
+    if started is not None:
+        started(proc)
+    returncode = proc.wait()
+    status, error = attempt_outcome(returncode, run_dir, log_from)
+    write_json(run_dir / RUN_RECORD, {**base, "status": status, "exit_code": returncode, "error": error,
+                                      "ended": time.time()})
+    return status

@@ -1,0 +1,104 @@
+"""The report's plots (matplotlib, Agg), each written atomically: the curves of every cell against tokens with
+a band over its seeds, and the final metric against the learning rate per group."""
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from training.sweep.analysis import Cell, LrGroup
+from training.sweep.results import TRAIN_LOSS, RunResult
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _save(fig, out: Path) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.stem}.tmp{out.suffix}")
+    fig.savefig(tmp, dpi=110)
+    tmp.replace(out)  # atomically: a reader never sees half a PNG
+
+
+def _band(runs: Sequence[RunResult], tag: str) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(tokens, mean, min, max) over the runs at every step that all of them logged."""
+    series = [dict(r.curves.get(tag, [])) for r in runs]
+    steps = sorted(set.intersection(*(set(s) for s in series))) if series else []
+    values = np.array([[s[step] for s in series] for step in steps]).reshape(len(steps), len(series))
+    tokens = np.array(steps, dtype=float) * runs[0].tokens_per_step if runs else np.array([])
+    return tokens, values.mean(axis=1), values.min(axis=1), values.max(axis=1)
+
+
+def curves(cells: Sequence[Cell], tags: Sequence[str], out: Path) -> None:
+    """One panel per tag: each cell's mean over the seeds that did not diverge, shaded from their min to their
+    max; a diverged run's own curve dotted, ending where it stopped logging."""
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, len(tags), figsize=(6.5 * len(tags), 4.5), squeeze=False)
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for ax, tag in zip(axes[0], tags, strict=True):
+        shown: list[float] = []  # the values of the runs that did not diverge: the y range (a diverged run's
+        for i, cell in enumerate(cells):  # loss would otherwise flatten every other curve)
+            colour = colours[i % len(colours)]
+            kept = [r for r in cell.included if r.outcome != "diverged" and r.curves.get(tag)]
+            if kept:
+                x, mean, lo, hi = _band(kept, tag)
+                shown += [*lo, *hi]
+                ax.plot(x, mean, color=colour, label=f"{cell.name} (n={len(kept)})")
+                if len(kept) > 1:
+                    ax.fill_between(x, lo, hi, color=colour, alpha=0.2, linewidth=0)
+            label = f"{cell.name}: diverged (dotted)"
+            for r in cell.included:
+                if r.outcome == "diverged" and r.curves.get(tag):
+                    steps, values = zip(*[(s, v) for s, v in r.curves[tag] if math.isfinite(v)] or [(0, math.nan)],
+                                        strict=True)
+                    ax.plot(np.array(steps) * r.tokens_per_step, values, ":", color=colour, linewidth=1, label=label)
+                    label = None  # one legend entry per cell
+        if shown and math.isfinite(span := max(shown) - min(shown)):
+            ax.set_ylim(min(shown) - 0.05 * span - 1e-6, max(shown) + 0.05 * span + 1e-6)
+        ax.set_xlabel("tokens")
+        ax.set_ylabel(tag)
+        ax.set_title(f"{tag}: mean over seeds, band min–max (dotted: diverged)", fontsize=9)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    _save(fig, out)
+    plt.close(fig)
+
+
+def lr_curves(groups: Sequence[LrGroup], metric: str, out: Path) -> None:
+    """Per group: the score per LR (the mean final metric, diverged runs at the cap) as a line, each seed's
+    final metric as a dot, each diverged run as an × at the cap; log-scaled LR axis."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for i, group in enumerate(groups):
+        colour = colours[i % len(colours)]
+        lrs = sorted(lr for lr, score in group.scores.items() if math.isfinite(score))
+        ax.plot(lrs, [group.scores[lr] for lr in lrs], "-", color=colour, label=group.name)
+        for lr, cell in group.cells.items():
+            finals = [r.final for r in cell.numbers]
+            ax.plot([lr] * len(finals), finals, "o", color=colour, markersize=4, alpha=0.6)
+            diverged = sum(r.outcome == "diverged" for r in cell.included)
+            if diverged and math.isfinite(group.cap):
+                ax.plot([lr] * diverged, [group.cap] * diverged, "x", color=colour, markersize=8)
+    ax.set_xscale("log")
+    ax.set_xlabel("learning rate")
+    ax.set_ylabel(f"final {metric}")
+    ax.set_title("line: mean over seeds (diverged = initial loss, ×); dots: seeds", fontsize=9)
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    _save(fig, out)
+    plt.close(fig)
+
+
+def curve_tags(metric: str) -> list[str]:
+    return [TRAIN_LOSS] if metric == TRAIN_LOSS else [TRAIN_LOSS, metric]

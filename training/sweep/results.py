@@ -1,0 +1,132 @@
+"""One run's numbers, read back from what `normlab fit` wrote: the final metric, the outcome and the curves.
+
+Shared by the sweep's report (training/sweep/report.py) and `normlab compare` (training/compare.py), so both
+give the same number for the same run:
+- final metric: the metric's value at the last step it was logged (TensorBoard events of the run directory; a
+  step logged twice, as after a resume's purge, keeps its newest value), with that step. A run whose outcome
+  is "diverged" has no final metric (NaN): it is counted as an outcome, never averaged as a number.
+- outcome: `training.stats.training_outcome` of the run's logged `train/loss` values in step order (trains /
+  stalled / diverged, the study's definition), and "diverged" whenever the runner recorded the run as
+  diverged or the final metric is not finite.
+- initial loss: the first logged `train/loss` (the loss of update 1, at the initialization, when
+  `trainer.log_every_n_steps` is 1; after that many updates otherwise).
+"""
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from training.checkpointing.layout import complete_checkpoints, read_manifest
+from training.errors import UserError
+from training.stats import training_outcome
+
+TRAIN_LOSS = "train/loss"
+INCLUDED = ("finished", "diverged")  # statuses whose runs the statistics use; the others are not done yet
+Points = list[tuple[int, float]]
+
+
+def flatten(config: Any, prefix: str = "") -> dict[str, Any]:
+    """A nested config as {dotted.key: value}."""
+    if isinstance(config, dict):
+        out: dict[str, Any] = {}
+        for key, value in config.items():
+            out.update(flatten(value, f"{prefix}{key}."))
+        return out
+    return {prefix[:-1]: config}
+
+
+def has_events(run_dir: Path) -> bool:
+    return any(run_dir.glob("events.out.tfevents.*"))
+
+
+def read_run(run_dir: Path) -> dict[str, Any]:
+    """A run's flattened config, its scalars {tag: [(step, value)]} and its newest manifest (or None)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    if not (run_dir / "config.yaml").is_file() or not has_events(run_dir):
+        raise UserError(f"'{run_dir}' is not a normlab run (no config.yaml and TensorBoard events); pass run "
+                        "directories such as runs/NAME")
+    acc = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})
+    acc.Reload()
+    # sorted by wall time, so the newest value of a step logged twice wins
+    scalars = {tag: sorted({e.step: e.value for e in sorted(acc.Scalars(tag), key=lambda e: e.wall_time)}.items())
+               for tag in acc.Tags()["scalars"]}
+    found = complete_checkpoints(run_dir)
+    return {"dir": run_dir, "config": flatten(yaml.safe_load((run_dir / "config.yaml").read_text()) or {}),
+            "scalars": scalars, "manifest": read_manifest(found[-1]) if found else None}
+
+
+def plain_tags(tags: Iterable[str]) -> list[str]:
+    """The tags without a per-layer index (`attn/max_logit/L3`), sorted: what an error message suggests."""
+    return sorted({t for t in tags if not re.search(r"/L?\d+$", t)})
+
+
+def tokens_per_step(run: dict[str, Any]) -> float:
+    """Tokens one optimizer step trains on: from the newest manifest, else from the config."""
+    manifest, config = run["manifest"], run["config"]
+    if manifest and manifest.get("tokens_seen") and manifest.get("step"):
+        return manifest["tokens_seen"] / manifest["step"]
+    devices = config.get("trainer.devices")
+    world = (devices if isinstance(devices, int) else 1) * (config.get("trainer.num_nodes") or 1)
+    return float(config.get("data.batch_size") or 0) * (config.get("data.seq_len") or 0) * world * (
+        config.get("trainer.accumulate_grad_batches") or 1)
+
+
+@dataclass(frozen=True)
+class RunResult:
+    """One run of a cell at one seed. `outcome` is None for a run not included (not finished: its `status`
+    says why); `final` is NaN without a final metric (diverged, or the metric never logged)."""
+
+    cell: str
+    params: dict[str, Any]
+    seed: Any
+    run_dir: Path
+    status: str
+    outcome: str | None = None
+    final: float = math.nan
+    final_step: int | None = None
+    steps: int = 0
+    tokens: float = 0.0
+    initial_loss: float = math.nan
+    curves: dict[str, Points] = field(default_factory=dict)  # train/loss and the metric, against steps
+    tokens_per_step: float = 0.0
+
+    @property
+    def included(self) -> bool:
+        return self.outcome is not None
+
+    @property
+    def has_number(self) -> bool:
+        return self.outcome in ("trains", "stalled") and math.isfinite(self.final)
+
+
+def result(cell: str, params: dict[str, Any], seed: Any, run_dir: Path, status: str, metric: str,
+           run: dict[str, Any] | None = None) -> RunResult:
+    """Read one run (unless given its `read_run`); `status` is the runner's (finished, diverged, ...)."""
+    base = RunResult(cell, params, seed, run_dir, status)
+    if status not in INCLUDED:
+        return base
+    if run is None:
+        if not has_events(run_dir):  # a run that diverged before it logged anything
+            return RunResult(cell, params, seed, run_dir, status, "diverged") if status == "diverged" else base
+        run = read_run(run_dir)
+    s = run["scalars"]
+    losses = [v for _, v in s.get(TRAIN_LOSS, [])]
+    points = s.get(metric, [])
+    final_step, final = points[-1] if points else (None, math.nan)
+    # a metric that was logged non-finite diverged; one never logged is missing (final NaN), not an outcome
+    if not losses and status != "diverged":  # nothing to judge the outcome by (logged less often than it ran)
+        return RunResult(cell, params, seed, run_dir, f"{status} without {TRAIN_LOSS}")
+    outcome = training_outcome(losses, diverged=status == "diverged" or (bool(points) and not math.isfinite(final)))
+    steps = max((p[-1][0] for tag, p in s.items() if tag.startswith("train/") and p), default=0)
+    per_step = tokens_per_step(run)
+    return RunResult(cell, params, seed, run_dir, status, outcome,
+                     final if outcome != "diverged" else math.nan, final_step, steps, steps * per_step,
+                     losses[0] if losses else math.nan,
+                     {tag: s[tag] for tag in (TRAIN_LOSS, metric) if tag in s}, per_step)

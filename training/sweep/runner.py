@@ -1,0 +1,74 @@
+"""One sweep invocation: which runs to train, and the executor that trains them.
+
+Idempotent: finished and diverged runs are skipped (a divergence is an outcome, and it would recur: the runs
+are deterministic), runs another live process is training are left to it, and everything else — never started,
+interrupted, failed — is (re)started with its own `fit --ckpt_path=last`, which resumes from its newest complete
+checkpoint. A spec edit that would change a run already trained is refused before anything starts
+(launch.check_unchanged). Only one sweep process works on a sweep directory at a time (a flock on `.lock`).
+"""
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+from training.errors import UserError
+from training.sweep.launch import check_unchanged
+from training.sweep.spec import Run, Spec
+from training.sweep.state import locked, run_status, write_state
+
+log = logging.getLogger(__name__)
+
+SKIP = ("finished", "diverged", "running")
+
+
+def to_train(spec: Spec, runs: list[Run]) -> list[Run]:
+    return [r for r in runs if run_status(spec.sweep_dir / r.rel)[0] not in SKIP]
+
+
+def run_local(spec: Spec, runs: list[Run], max_parallel: int) -> dict:
+    from training.sweep.local import LocalExecutor
+
+    with locked(spec.sweep_dir / ".lock", blocking=False) as mine:
+        if not mine:
+            raise UserError(f"another sweep process is working on '{spec.sweep_dir}'; wait for it, or stop it")
+        check_unchanged(spec, runs)
+        todo = to_train(spec, runs)
+        write_state(spec, runs)
+        log.info("sweep %s: %d runs, %d to train, %d at a time", spec.name, len(runs), len(todo), max_parallel)
+        start = time.perf_counter()
+        LocalExecutor(spec, max_parallel, on_change=lambda: write_state(spec, runs)).run(todo)
+        state = write_state(spec, runs, with_metric=True)
+        log.info("sweep %s: %s in %.0f s", spec.name, counts(state), time.perf_counter() - start)
+        return state
+
+
+def counts(state: dict) -> str:
+    found: dict[str, int] = {}
+    for r in state["runs"]:
+        found[r["status"]] = found.get(r["status"], 0) + 1
+    return ", ".join(f"{n} {s}" for s, n in found.items())
+
+
+def status_table(spec: Spec, runs: list[Run]) -> str:
+    """`--status`: every run's state, step and final metric (as far as it got)."""
+    state = write_state(spec, runs, with_metric=True)
+    rows = [["run", "status", "step", spec.metric]]
+    for r in state["runs"]:
+        rows.append([r["run_dir"], r["status"], str(r["step"]),
+                     "-" if r["metric"] is None else f"{r['metric']:.4f}"])
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in rows]
+    return "\n".join(lines) + f"\n{counts(state)} — {Path(spec.sweep_dir) / 'sweep.json'}\n"
+
+
+def dry_run(spec: Spec, runs: list[Run]) -> str:
+    """`--dry-run`: each run, its state and its exact command; nothing is started or written."""
+    import shlex
+
+    lines = [f"sweep {spec.name}: {len(runs)} runs ({len(spec.cells())} cells x {len(spec.seeds)} seeds) in "
+             f"{spec.sweep_dir}"]
+    for run in runs:
+        status = run_status(spec.sweep_dir / run.rel)[0]
+        lines.append(f"{run.rel}  [{status}]\n  {shlex.join(run.command)}")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,229 @@
+"""The sweep spec (a YAML file) and its expansion into runs: cells (grid × zip) × seeds.
+
+    name: placement_lr            # default: the spec file's stem; the runs go to <runs_dir>/<name>/
+    runs_dir: runs                # relative to the current directory, as for `normlab fit`
+    base:                         # what every run shares, exactly as `normlab fit` takes it
+      config: [configs/gpu_125m.yaml]             # -c files (relative to the current directory)
+      overrides: {trainer.max_steps: 2000}         # dotted keys → values (--key=value)
+    grid: {model.placement: [pre, post], optim.lr: [1.0e-3, 3.0e-3]}   # crossed
+    zip: {optim.lr: [...], optim.min_lr: [...]}   # axes that vary together (equal lengths), crossed with grid
+    seeds: [0, 1, 2]              # each run's --seed_everything (the initialization)
+    data_order: paired            # paired: one data order for all runs; seed: --data.seed=<seed> per run
+    metric: val/loss              # what the report judges, and `mode` (min | max) says which way is better
+    baseline: placement=pre       # a cell name (or null); margin: the equivalence margin of the report
+    slurm: {...}                  # training/sweep/slurm.py (SlurmResources)
+
+A cell's name is `short=value,...` over the axes in spec order, the short name being the key's last component
+(the full key when two axes share it): `placement=post,lr=0.003`. A run is one cell × one seed:
+`<runs_dir>/<name>/<cell>/s<seed>/`, trained by `python -m training.cli fit ... --ckpt_path=last`, which starts
+it or resumes it from its newest complete checkpoint.
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from training.errors import UserError
+
+SPEC_KEYS = ("name", "runs_dir", "base", "grid", "zip", "seeds", "data_order", "metric", "mode", "baseline",
+             "margin", "lr_key", "slurm")
+DATA_ORDERS = ("paired", "seed")
+MODES = ("min", "max")
+_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]*$")
+# Keys the runner sets itself on every run.
+RESERVED = ("name", "runs_dir", "ckpt_path", "seed_everything", "trainer.default_root_dir")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Run:
+    """One cell × seed: its directory relative to the sweep's, and its `fit` arguments."""
+
+    cell: str
+    params: dict[str, Any]
+    seed: int
+    rel: str                 # <cell>/s<seed>, relative to the sweep directory
+    fit_args: list[str]      # everything after `python -m training.cli fit`
+
+    @property
+    def command(self) -> list[str]:
+        return ["python", "-m", "training.cli", "fit", *self.fit_args]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Spec:
+    path: Path
+    name: str
+    runs_dir: Path
+    configs: tuple[str, ...] = ()
+    overrides: dict[str, Any] = field(default_factory=dict)
+    grid: dict[str, list[Any]] = field(default_factory=dict)
+    zip: dict[str, list[Any]] = field(default_factory=dict)
+    seeds: tuple[int, ...] = (0,)
+    data_order: str = "paired"
+    metric: str = "val/loss"
+    mode: str = "min"
+    baseline: str | None = None
+    margin: float | None = None
+    lr_key: str | None = None
+    slurm: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def sweep_dir(self) -> Path:
+        return self.runs_dir / self.name
+
+    @property
+    def axes(self) -> list[str]:
+        return [*self.grid, *self.zip]
+
+    def cells(self) -> list[tuple[str, dict[str, Any]]]:
+        """(name, params) of every cell: the grid's product crossed with the zipped rows, in spec order."""
+        grid = [dict(zip(self.grid, values, strict=True)) for values in itertools.product(*self.grid.values())]
+        n_zip = len(next(iter(self.zip.values()))) if self.zip else 1
+        zipped = [{k: v[i] for k, v in self.zip.items()} for i in range(n_zip)]
+        cells = [{**g, **z} for g in grid for z in zipped]
+        shorts = short_names(self.axes)
+        return [(",".join(f"{shorts[k]}={format_value(c[k])}" for k in self.axes) or "base", c) for c in cells]
+
+    def runs(self) -> list[Run]:
+        runs = []
+        for cell, params in self.cells():
+            for seed in self.seeds:
+                rel = f"{cell}/s{seed}"
+                runs.append(Run(cell=cell, params=params, seed=seed, rel=rel, fit_args=self.fit_args(params, seed,
+                                                                                                    cell)))
+        return runs
+
+    def fit_args(self, params: dict[str, Any], seed: int, cell: str) -> list[str]:
+        args = [a for c in self.configs for a in ("-c", c)]
+        args += [f"--{k}={format_value(v)}" for k, v in {**self.overrides, **params}.items()]
+        if self.data_order == "seed":
+            args.append(f"--data.seed={seed}")
+        args += [f"--seed_everything={seed}", f"--runs_dir={self.sweep_dir / cell}", f"--name=s{seed}",
+                 "--ckpt_path=last"]
+        return args
+
+
+def short_names(keys: list[str]) -> dict[str, str]:
+    last = [k.rsplit(".", 1)[-1] for k in keys]
+    return {k: s if last.count(s) == 1 else k for k, s in zip(keys, last, strict=True)}
+
+
+def format_value(value: Any) -> str:
+    """A value as `fit` parses it (YAML) and as a cell name shows it: 0.003, post, true, null, [1, 2]."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float, str)):
+        return repr(value) if isinstance(value, float) else str(value)
+    return json.dumps(value)
+
+
+def _fail(path: Path, what: str) -> UserError:
+    return UserError(f"sweep spec '{path}': {what}")
+
+
+def _mapping(path: Path, raw: Any, field_: str, scalar_values: bool) -> dict[str, list[Any]]:
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise _fail(path, f"{field_} must be a mapping of dotted config keys to lists of values, got {raw!r}")
+    for key, values in raw.items():
+        if not isinstance(key, str) or not _KEY.match(key) or key in RESERVED:
+            raise _fail(path, f"{field_} key {key!r} is not a dotted config key such as optim.lr"
+                        + (f" (the runner sets {key} itself)" if key in RESERVED else ""))
+        if not isinstance(values, list) or not values:
+            raise _fail(path, f"{field_}.{key} must be a non-empty list of values, got {values!r}")
+        for v in values if scalar_values else ():
+            if not isinstance(v, (str, int, float, bool)) and v is not None or "/" in str(v) or "," in str(v):
+                raise _fail(path, f"{field_}.{key} value {v!r} must be a number, a word, true/false or null "
+                            "(without '/' or ',': it becomes part of a directory name)")
+        if len(set(map(format_value, values))) != len(values):
+            raise _fail(path, f"{field_}.{key} lists a value twice: {values!r}")
+    return dict(raw)
+
+
+def _base(path: Path, raw: Any) -> tuple[tuple[str, ...], dict[str, Any]]:
+    raw = raw or {}
+    if not isinstance(raw, dict) or set(raw) - {"config", "overrides"}:
+        raise _fail(path, f"base must be a mapping with 'config' (list of -c files) and 'overrides', got {raw!r}")
+    configs = raw.get("config") or []
+    configs = [configs] if isinstance(configs, str) else configs
+    if not isinstance(configs, list) or not all(isinstance(c, str) for c in configs):
+        raise _fail(path, f"base.config must be a list of config files, got {configs!r}")
+    for c in configs:
+        if not Path(c).is_file():
+            raise _fail(path, f"base.config file '{c}' does not exist (paths are relative to the current "
+                        f"directory, {Path.cwd()})")
+    overrides = raw.get("overrides") or {}
+    if not isinstance(overrides, dict):
+        raise _fail(path, f"base.overrides must be a mapping of dotted keys to values, got {overrides!r}")
+    for key in overrides:
+        if not isinstance(key, str) or not _KEY.match(key) or key in RESERVED:
+            raise _fail(path, f"base.overrides key {key!r} is not a dotted config key"
+                        + (f" (the runner sets {key} itself)" if key in RESERVED else ""))
+    return tuple(configs), dict(overrides)
+
+
+def load_spec(path: str | Path) -> Spec:
+    """Parse and validate a spec file; every problem is one UserError naming the file, field and value."""
+    path = Path(path)
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except OSError as err:
+        raise UserError(f"sweep spec '{path}' cannot be read: {err.strerror}") from err
+    except yaml.YAMLError as err:
+        raise _fail(path, f"not valid YAML ({' '.join(str(err).split())})") from err
+    if not isinstance(raw, dict):
+        raise _fail(path, "must be a YAML mapping (keys: " + ", ".join(SPEC_KEYS) + ")")
+    unknown = sorted(set(raw) - set(SPEC_KEYS))
+    if unknown:
+        raise _fail(path, f"unknown key {unknown[0]!r}; valid keys: {', '.join(SPEC_KEYS)}")
+    name = str(raw.get("name") or path.stem)
+    if not _NAME.match(name):
+        raise _fail(path, f"name {name!r} must be letters, digits and _.+- (it is a directory name)")
+    configs, overrides = _base(path, raw.get("base"))
+    grid = _mapping(path, raw.get("grid"), "grid", True)
+    zipped = _mapping(path, raw.get("zip"), "zip", True)
+    if len({len(v) for v in zipped.values()}) > 1:
+        raise _fail(path, f"zip axes must have equal lengths, got { {k: len(v) for k, v in zipped.items()} }")
+    both = sorted(set(grid) & set(zipped) | (set(grid) | set(zipped)) & set(overrides))
+    if both:
+        raise _fail(path, f"{both[0]!r} is set twice (grid, zip and base.overrides must not share keys)")
+    seeds = raw.get("seeds", [0])
+    if not isinstance(seeds, list) or not seeds or not all(isinstance(s, int) and s >= 0 for s in seeds) \
+            or len(set(seeds)) != len(seeds):
+        raise _fail(path, f"seeds must be a list of distinct non-negative integers, got {seeds!r}")
+    spec = Spec(path=path, name=name, runs_dir=Path(raw.get("runs_dir") or "runs").absolute(), configs=configs,
+                overrides=overrides, grid=grid, zip=zipped, seeds=tuple(seeds),
+                data_order=_choice(path, raw, "data_order", DATA_ORDERS, "paired"),
+                metric=str(raw.get("metric") or "val/loss"), mode=_choice(path, raw, "mode", MODES, "min"),
+                baseline=raw.get("baseline"), margin=_margin(path, raw.get("margin")),
+                lr_key=raw.get("lr_key", "optim.lr" if "optim.lr" in grid or "optim.lr" in zipped else None),
+                slurm=raw.get("slurm") or {})
+    cells = [c for c, _ in spec.cells()]
+    if spec.baseline is not None and spec.baseline not in cells:
+        raise _fail(path, f"baseline {spec.baseline!r} is not a cell; the cells are: {', '.join(cells)}")
+    if spec.lr_key is not None and spec.lr_key not in spec.axes:
+        raise _fail(path, f"lr_key {spec.lr_key!r} is not an axis of grid or zip ({', '.join(spec.axes)})")
+    return spec
+
+
+def _choice(path: Path, raw: dict, key: str, valid: tuple[str, ...], default: str) -> str:
+    value = raw.get(key, default)
+    if value not in valid:
+        raise _fail(path, f"{key} {value!r} is not one of {list(valid)}")
+    return value
+
+
+def _margin(path: Path, value: Any) -> float | None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0):
+        raise _fail(path, f"margin {value!r} must be a non-negative number (in the metric's units) or null")
+    return None if value is None else float(value)

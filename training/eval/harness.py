@@ -28,6 +28,7 @@ from tqdm import tqdm
 from model.generate import generate
 from training.checkpointing.layout import write_text_atomic
 from training.checkpointing.load import CheckpointError, load_checkpoint
+from training.loggers import write_scalars
 
 log = logging.getLogger(__name__)
 
@@ -155,11 +156,7 @@ def run_tasks(checkpoint: str | Path, tasks: list[str], num_fewshot: int | None 
 
 def _log_to_tensorboard(run_dir: Path, step: int, task_results: dict[str, dict[str, Any]]) -> None:
     """`eval/lm_eval/<task>/<metric>` (e.g. `acc,none` → `acc`) at the checkpoint's step."""
-    from torch.utils.tensorboard import SummaryWriter
-
-    with SummaryWriter(str(run_dir)) as writer:
-        for task, metrics in task_results.items():
-            for key, value in metrics.items():
-                if isinstance(value, (int, float)) and not isinstance(value, bool) and "_stderr" not in key:
-                    writer.add_scalar(f"eval/lm_eval/{task}/{key.replace(',none', '').replace(',', '/')}", value,
-                                      step)
+    write_scalars(run_dir, {f"eval/lm_eval/{task}/{key.replace(',none', '').replace(',', '/')}": value
+                            for task, metrics in task_results.items() for key, value in metrics.items()
+                            if isinstance(value, (int, float)) and not isinstance(value, bool)
+                            and "_stderr" not in key}, step)

@@ -26,6 +26,7 @@ from data.tokenizer import sha256_file
 from training.checkpointing.layout import MANIFEST, read_manifest
 from training.checkpointing.load import CheckpointError, load_checkpoint
 from training.eval.metrics import LossTotals, batch_loss, split_batch
+from training.loggers import write_scalars
 
 log = logging.getLogger(__name__)
 
@@ -186,12 +187,9 @@ def evaluate(checkpoint: str | Path, data: str | Path | None = None, split: str 
 
 def log_to_tensorboard(run_dir: Path, results: list[dict[str, Any]]) -> None:
     """`eval/<set>/loss|ppl|bpb` at each result's step, in the run's own TensorBoard directory."""
-    from torch.utils.tensorboard import SummaryWriter
-
-    with SummaryWriter(str(run_dir)) as writer:
-        for result in results:
-            for key, tag in (("loss", "loss"), ("perplexity", "ppl"), ("bits_per_byte", "bpb")):
-                writer.add_scalar(f"eval/{result['set']}/{tag}", result[key], result["step"])
+    for result in results:
+        write_scalars(run_dir, {f"eval/{result['set']}/{tag}": result[key] for key, tag in
+                                (("loss", "loss"), ("perplexity", "ppl"), ("bits_per_byte", "bpb"))}, result["step"])
 
 
 def split_line(r: dict[str, Any]) -> str:

@@ -9,7 +9,7 @@ Config groups (all settable in YAML via `-c` and as dotted flags):
   guard.*       NonFiniteGuard (`--guard.policy abort|skip`, `--guard.max_consecutive_skips`, spike dumps:
                 `--guard.dump_spike_z`, `--guard.max_dumps`)
   throughput.*  Throughput (`--throughput.peak_tflops`)
-  name, runs_dir, ckpt_path, branch_from, seed_everything
+  name, runs_dir, ckpt_path, branch_from, seed_everything, loggers (beside TensorBoard: training/loggers.py)
 
 `--branch_from <run>/checkpoints/step-X` starts a new run (`--name`) from another run's checkpoint with its own
 schedule: a cooldown branch (training/checkpointing/branch.py).
@@ -19,7 +19,7 @@ Defaults: configs/default.yaml (the default job), then `-c` files in order, then
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Literal, Optional
 
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch import LightningModule, Trainer
@@ -71,7 +71,7 @@ class NormlabCLI(LightningCLI):
         parser.add_argument("--name", type=str, default="default",
                             help="Run name: events, config and checkpoints go to <runs_dir>/<name>/")
         parser.add_argument("--runs_dir", type=str, default="runs", help="Directory holding all runs")
-        parser.add_argument("--loggers", type=list[str], default=[],
+        parser.add_argument("--loggers", type=list[Literal[LOGGERS]], default=[],
                             help=f"More loggers beside TensorBoard (the default, always on): any of "
                                  f"{', '.join(LOGGERS)} (training/loggers.py)")
         parser.add_argument("--branch_from", type=Optional[str], default=None,  # noqa: UP045 (jsonargparse reads it)

@@ -35,10 +35,10 @@ def test_pyproject_pins_the_tested_ranges():
 
 
 def test_another_version_is_refused_naming_the_patch_and_the_fix(monkeypatch):
-    target = "lightning.pytorch.cli:LightningCLI._get"
+    target = "lightning.pytorch.loops.training_epoch_loop:_TrainingEpochLoop.max_steps"
     monkeypatch.setattr(compat, "_installed", lambda package: "2.7.0")
-    with pytest.raises(compat.CompatError, match=r"LightningCLI\._get .*lightning>=2\.6,<2\.7.*lightning 2\.7\.0 is "
-                                                 r"installed: pip install 'lightning>=2\.6,<2\.7'"):
+    with pytest.raises(compat.CompatError, match=r"_TrainingEpochLoop\.max_steps .*lightning>=2\.6,<2\.7.*lightning "
+                                                 r"2\.7\.0 is installed: pip install 'lightning>=2\.6,<2\.7'"):
         compat.require(target)
     monkeypatch.setattr(compat, "_installed", lambda package: "2.6.9")
     compat.require(target)

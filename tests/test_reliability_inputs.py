@@ -292,7 +292,7 @@ def test_fp16_loss_scale_overflows_are_the_scalers_not_faults(caplog):
     logger = SimpleNamespace(log_metrics=lambda values, step: logged.append((step, values)))
 
     def step(guard: NonFiniteGuard, scaler) -> None:
-        trainer = SimpleNamespace(strategy=strategy, world_size=1, global_step=0, is_global_zero=True, logger=logger,
+        trainer = SimpleNamespace(strategy=strategy, world_size=1, global_step=0, is_global_zero=True, loggers=[logger],
                                   precision_plugin=SimpleNamespace(scaler=scaler))
         model.weight.grad = torch.full_like(model.weight, float("inf"))
         guard.on_before_backward(trainer, pl_module, torch.tensor(2.0))

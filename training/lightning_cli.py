@@ -10,7 +10,8 @@ Config groups (all settable in YAML via `-c` and as dotted flags):
                 `--guard.dump_spike_z`, `--guard.max_dumps`)
   throughput.*  Throughput (`--throughput.peak_tflops`)
   eval.*        DownstreamEval: harness tasks in the loop (`--eval.tasks arc_easy --eval.every_n_steps 1000`)
-  name, runs_dir, ckpt_path, branch_from, init_from, seed_everything
+  name, runs_dir, ckpt_path, branch_from, init_from, seed_everything, loggers (beside TensorBoard:
+  training/loggers.py)
 
 `--branch_from <run>/checkpoints/step-X` starts a new run (`--name`) from another run's checkpoint with its own
 schedule: a cooldown branch (training/checkpointing/branch.py). `--init_from PATH` starts a new run from the weights
@@ -21,24 +22,24 @@ Defaults: configs/default.yaml (the default job), then `-c` files in order, then
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Literal, Optional
 
 from lightning.fabric.utilities.exceptions import MisconfigurationException
-from lightning.pytorch import Trainer
+from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import ProgressBar
-from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
-from lightning.pytorch.loggers import TensorBoardLogger
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 
 from data.datamodule import TokenDataModule
 from data.prepare import DEFAULT_OUTPUT
-from training import compat
 from training.callbacks import NonFiniteGuard, RNGState, StepCheckpoint, Throughput, TrainingHealth
 from training.callbacks.downstream import DownstreamEval
 from training.callbacks.progress import step_counting
 from training.callbacks.summary import log_closing_lines, with_norm_summary
 from training.checkpointing import branch, init_from, layout, resume
+from training.checkpointing.plan import RunPlan, plan
 from training.errors import UserError, is_user_error
 from training.lit_module import lit_lm
+from training.loggers import LOGGERS, RecordLoggerRuns, run_loggers
 from training.optim import OptimConfig
 from training.strategy import default_precision, is_deepspeed, resolve_strategy  # registers zeroN
 from training.subcommands import LIGHTNING_SUBCOMMANDS
@@ -52,25 +53,15 @@ def run_dir(runs_dir: str, name: str) -> str:
     return str(Path(runs_dir) / name)
 
 
-def run_logger(run_dir: str | Path, purge_step: int | None) -> TensorBoardLogger:
-    """TensorBoard events directly in the run directory (a fixed version, so a resumed run appends to the same
-    run). `purge_step`: TensorBoard discards events at or after this step written before the restart — the
-    points a crashed run logged after its last checkpoint — so resumed curves have no stale duplicates."""
-    path = Path(run_dir)
-    return TensorBoardLogger(save_dir=str(path.parent), name=path.name, version="", default_hp_metric=False,
-                             purge_step=purge_step)
-
-
 class NormlabCLI(LightningCLI):
     """`normlab fit | validate | test`; `args` as on the command line (None: sys.argv)."""
 
     def __init__(self, args: list[str] | None = None) -> None:
-        self._purge_step: int | None = None
-        self._parent: branch.Parent | None = None  # --branch_from, when this fit starts a branch
-        self._requested_ckpt_path: str | None = None
+        self.plan: RunPlan | None = None  # set before the classes are built (before_instantiate_classes)
         super().__init__(
             lit_lm,
             TokenDataModule,
+            save_config_callback=RunConfig,
             save_config_kwargs={"overwrite": True},  # runs/<name>/config.yaml: rewritten on resume
             auto_configure_optimizers=False,  # LitLM.configure_optimizers builds groups + schedule
             # exit_on_error=False: a parse error is raised (argparse.ArgumentError) and `normlab` prints it as one
@@ -85,6 +76,9 @@ class NormlabCLI(LightningCLI):
         parser.add_argument("--name", type=str, default="default",
                             help="Run name: events, config and checkpoints go to <runs_dir>/<name>/")
         parser.add_argument("--runs_dir", type=str, default="runs", help="Directory holding all runs")
+        parser.add_argument("--loggers", type=list[Literal[LOGGERS]], default=[],
+                            help=f"More loggers beside TensorBoard (the default, always on): any of "
+                                 f"{', '.join(LOGGERS)} (training/loggers.py)")
         parser.add_argument("--branch_from", type=Optional[str], default=None,  # noqa: UP045 (jsonargparse reads it)
                             help="Start this (new) run from another run's checkpoint directory with this run's own "
                                  "LR schedule: weights, optimizer state, data position and step carried over "
@@ -109,45 +103,19 @@ class NormlabCLI(LightningCLI):
         parser.add_lightning_class_args(DownstreamEval, "eval")  # harness tasks in the loop
 
     def before_instantiate_classes(self) -> None:
+        # Which checkpoint to load, whether this fit starts a branch, what to record: decided once, here
+        # (training/checkpointing/plan.py); the hooks below only apply the plan.
         config = self.config[self.subcommand]
-        root = config.trainer.default_root_dir
-        requested = config.ckpt_path
-        self._requested_ckpt_path, self._parent = requested, None
+        self.plan = plan(self.subcommand, config.ckpt_path, config.branch_from, config.trainer.default_root_dir)
+        # The recorded config (config.yaml, and per checkpoint) is what reruns this run: a resume records the
+        # checkpoint it resolved, a branch its --branch_from with the --ckpt_path given (not its parent's path).
+        config.ckpt_path = self.plan.recorded_ckpt_path
         self._init_source = None if config.init_from is None else \
-            init_from.prepare(self.subcommand, config, compat.cli_parser(self).get_defaults())
-        if config.branch_from is not None:
-            self._parent = self._resolve_branch(config, root)
-        if self._parent is not None:  # a new run: from the parent's checkpoint, into a fresh run directory
-            resume.check_fresh_run(root)
-            config.ckpt_path, self._purge_step = self._parent.load_path, 0
-        else:
-            config.ckpt_path, resumed_step = layout.resolve(requested, root)
-            if self.subcommand == "fit":
-                if requested is None:
-                    resume.check_fresh_run(root)
-                # TensorBoard: drop what a crashed run logged after its checkpoint (steps > the checkpoint's, see
-                # LitLM._log_eval for the step convention); everything on a fresh start.
-                self._purge_step = resumed_step + 1 if resumed_step is not None else 0
+            init_from.prepare(self.subcommand, config, self.parser.get_defaults()[self.subcommand])
         if config.trainer.precision is None:
             config.trainer.precision = default_precision(config.trainer.accelerator)
         config.trainer.strategy = resolve_strategy(config.trainer.strategy, config.trainer.devices,
                                                    config.trainer.num_nodes)
-
-    def _resolve_branch(self, config: Any, root: str) -> branch.Parent | None:
-        """`--branch_from`: the parent to branch from, or None when `--ckpt_path last` finds the branch's own
-        checkpoints to resume (which must have branched from the same parent)."""
-        if self.subcommand != "fit":
-            raise UserError(f"--branch_from applies to `normlab fit` (a new run), not `normlab {self.subcommand}`: "
-                            "give the checkpoint with --ckpt_path")
-        if config.ckpt_path not in (None, "last"):
-            raise UserError(f"--branch_from {config.branch_from} and --ckpt_path {config.ckpt_path}: give one of them "
-                            "(--branch_from starts a new run from another run's checkpoint; add --ckpt_path last to "
-                            "resume that branch once it has checkpoints)")
-        own = layout.complete_checkpoints(root) if config.ckpt_path == "last" else []
-        if own:
-            branch.check_lineage(config.branch_from, layout.read_manifest(own[-1]), root)
-            return None
-        return branch.resolve_parent(config.branch_from)
 
     def instantiate_classes(self) -> None:
         # A value refused by a constructor (ModelConfig, OptimConfig, the datamodule, a callback, the Trainer) is
@@ -159,66 +127,78 @@ class NormlabCLI(LightningCLI):
                 raise
             raise UserError(f"{err} (fix it on the command line or in the -c config file; `normlab "
                             f"{self.subcommand} --help` lists the options)") from err
+        self.config_init[self.subcommand].ckpt_path = self.plan.load_path  # what `fit | validate | test` loads
 
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
-        config = compat.cli_trainer_config(self)
+        config = self.config_init[self.subcommand].trainer
+        extra = self.config_init[self.subcommand].loggers
+        if extra and config.get("logger") not in (None, True):
+            raise UserError(f"--loggers {' '.join(extra)} adds to the default TensorBoard logger, but "
+                            "--trainer.logger replaces it: list every logger in --trainer.logger, or drop it")
         if config.get("logger") in (None, True):  # the default; False disables, a class replaces it
-            kwargs["logger"] = run_logger(config["default_root_dir"], self._purge_step)
-        trainer = compat.cli_instantiate_trainer(self, {**config, **kwargs}, compat.cli_callbacks(self))
+            kwargs["logger"] = run_loggers(config.default_root_dir, self.plan.purge_step, extra)
+        trainer = super().instantiate_trainer(**kwargs)
+        if extra:
+            trainer.callbacks.append(RecordLoggerRuns())
         if not any(isinstance(c, ProgressBar) for c in config.get("callbacks") or []):  # none configured:
             trainer.callbacks[:] = [step_counting(c) for c in trainer.callbacks]  # Lightning's default bar
         trainer.callbacks[:] = with_norm_summary(trainer.callbacks, config.get("callbacks") or [])
         # First of all callbacks: every other callback's on_train_batch_start must see the restored RNG stream.
         trainer.callbacks.insert(0, RNGState())
-        if self._parent is not None:
-            trainer.callbacks.insert(1, branch.BranchSchedule(self._parent.step))
+        if self.plan.parent is not None:
+            trainer.callbacks.insert(1, branch.BranchSchedule(self.plan.parent.step))
         return trainer
 
     def _check_inputs(self) -> None:
         """Refuse a checkpoint of the wrong format and a data path with no prepared data now, before Lightning
         writes anything into the run directory (a failed start leaves no stray run behind)."""
-        ckpt_path = self.config[self.subcommand].ckpt_path
-        if ckpt_path:
-            resume.check_format(ckpt_path, is_deepspeed(self.trainer.strategy))
+        if self.plan.load_path:
+            resume.check_format(self.plan.load_path, is_deepspeed(self.trainer.strategy))
+        if is_deepspeed(self.trainer.strategy):
+            # DeepSpeed's sample counters read the micro-batch size (it does not change the math). Lightning would
+            # take it from the loader's batch_sampler, which normlab's loaders (whole batches) do not have; the
+            # config is formatted at the strategy's setup, after this hook.
+            self.trainer.strategy.config.setdefault("train_micro_batch_size_per_gpu", self.datamodule.batch_size)
         if Path(self.datamodule.path).resolve() != Path(DEFAULT_OUTPUT).resolve():  # (that one is built on use)
             _ = self.datamodule.meta  # a DataError naming the path and the `normlab prepare` command
 
     before_validate = before_test = _check_inputs
 
-    def _check_branch(self) -> dict[str, Any]:
-        """The resume checks against the parent (one error line, before anything is written), and what this
-        branch's manifests record about it."""
-        resume.check_fits(self._parent.ckpt_dir, self.model.config.to_dict(),
-                          self.datamodule.tokenizer_path, self.trainer, action="branch from")
-        if 0 < self.trainer.max_steps <= self._parent.step:
+    def _check_branch(self, parent: branch.Parent) -> None:
+        """The resume checks against a branch's parent: one error line, before anything is written."""
+        resume.check_fits(parent.ckpt_dir, self.model.config.to_dict(), self.datamodule.tokenizer_path,
+                          self.trainer, action="branch from")
+        if 0 < self.trainer.max_steps <= parent.step:
             raise UserError(f"--trainer.max_steps {self.trainer.max_steps}: the branch starts at the parent's step "
-                            f"{self._parent.step}; give a larger max_steps (the step to end at)")
-        return self._parent.record()
+                            f"{parent.step}; give a larger max_steps (the step to end at)")
 
     def before_fit(self) -> None:
         self._check_inputs()
-        config = self.config[self.subcommand]
-        load = config.ckpt_path  # what `fit` loads: the resolved --ckpt_path, or a branch's parent
-        source = None
-        if self._parent is not None:
-            lineage = self._check_branch()
-            # The recorded config (config.yaml, here and per checkpoint) is what reruns this branch: --branch_from
-            # with the --ckpt_path given, not the parent's path (`fit` itself gets that from config_init).
-            config.ckpt_path = self._requested_ckpt_path
-        elif load and (layout.ckpt_dir_of(load) / layout.MANIFEST).is_file():  # resumed: keep its record
-            manifest = layout.read_manifest(layout.ckpt_dir_of(load))
-            lineage, source = manifest.get(branch.MANIFEST_KEY), manifest.get(init_from.MANIFEST_KEY)
-        else:
-            lineage = None
-            if self._init_source is not None:  # a fresh run from another model's weights
-                source = init_from.attach(self.model, self.trainer, self.datamodule, self._init_source)
-        text = compat.cli_parser(self).dump(config, skip_unset=False)  # nulls too: a complete record
+        if self.plan.parent is not None:
+            self._check_branch(self.plan.parent)
+        source = None  # --init_from: the source a fresh run starts from, or the one a resumed run recorded
+        if self.plan.parent is None and self.plan.load_path:
+            ckpt_dir = layout.ckpt_dir_of(self.plan.load_path)
+            if (ckpt_dir / layout.MANIFEST).is_file():
+                source = layout.read_manifest(ckpt_dir).get(init_from.MANIFEST_KEY)
+        elif self.plan.parent is None and self._init_source is not None:
+            source = init_from.attach(self.model, self.trainer, self.datamodule, self._init_source)
         for callback in self.trainer.callbacks:
             if isinstance(callback, StepCheckpoint):
-                callback.resolved_config = text
-                callback.resume_from = load  # checked against the run before anything loads
-                callback.branched_from = lineage
+                callback.resume_from = self.plan.load_path  # checked against the run before anything loads
+                callback.branched_from = self.plan.lineage
                 callback.init_from = source
 
     def after_fit(self) -> None:
         log_closing_lines(self.trainer, Path(self.trainer.default_root_dir) / layout.CONFIG_FILE)
+
+
+class RunConfig(SaveConfigCallback):
+    """Lightning's config saving (`<run dir>/config.yaml`), also handing the same resolved config to
+    `StepCheckpoint`, which copies it beside every checkpoint (nulls too: a complete record)."""
+
+    def save_config(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        text = self.parser.dump(self.config, skip_unset=False)
+        for callback in trainer.callbacks:
+            if isinstance(callback, StepCheckpoint):
+                callback.resolved_config = text

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-import math
 import typing
 from collections.abc import Callable
 from typing import Any, Optional
@@ -26,6 +25,7 @@ from torch import Tensor
 from model import ModelConfig, Transformer
 from model.optimize import compile_blocks, enable_activation_checkpointing
 from training.errors import UserError
+from training.eval.metrics import LossTotals, batch_loss, perplexity, split_batch
 from training.optim import OptimConfig, build_optimizer, check_group_names, param_groups
 from training.strategy import is_deepspeed
 
@@ -99,10 +99,9 @@ class LitLM(LightningModule):
         return self.model(tokens)
 
     def loss(self, batch: Tensor | dict[str, Tensor]) -> Tensor:
-        """Mean next-token cross-entropy of a batch [B, T+1]: inputs batch[:, :-1], targets batch[:, 1:].
-        The model's chunked LM-head loss: the [B, T, vocab] logits are never materialized."""
-        tokens, positions = split_batch(batch)
-        return self.model(tokens[:, :-1], targets=tokens[:, 1:], position_ids=positions)
+        """Mean next-token cross-entropy of a batch [B, T+1] (`training.eval.metrics.batch_loss`, which
+        `normlab evaluate` scores with too)."""
+        return batch_loss(self.model, batch)
 
     def training_step(self, batch: Tensor | dict[str, Tensor], batch_idx: int) -> Tensor:
         # the cross-entropy plus optim.z_loss · log²Z (the z term also returned, detached, for logging)
@@ -133,13 +132,13 @@ class LitLM(LightningModule):
         self._val_sets = list(getattr(self.trainer.datamodule, "val_sets_order", None) or [None])
         named = any(v is not None and v.name for v in self._val_sets)
         self._piece_bytes = self.trainer.datamodule.piece_bytes().to(self.device) if named else None
-        # per loader: loss sum, batches, target tokens, target bytes
-        self._eval_sums = torch.zeros(len(self._val_sets), 4, dtype=torch.float64, device=self.device)
+        # per loader: Σ loss·tokens, target tokens, target bytes (`LossTotals`' sums, reduced over ranks at the end)
+        self._eval_sums = torch.zeros(len(self._val_sets), 3, dtype=torch.float64, device=self.device)
 
     def validation_step(self, batch: Tensor | dict[str, Tensor], batch_idx: int, dataloader_idx: int = 0) -> None:
         targets = split_batch(batch)[0][:, 1:]
         nbytes = self._piece_bytes[targets].sum() if self._piece_bytes is not None else targets.new_zeros(())
-        row = torch.stack([self.loss(batch).double(), self._eval_sums.new_ones(()),
+        row = torch.stack([self.loss(batch).double() * targets.numel(),
                            self._eval_sums.new_tensor(float(targets.numel())), nbytes.double()])
         self._eval_sums[dataloader_idx] += row
 
@@ -160,18 +159,19 @@ class LitLM(LightningModule):
         # The values are already identical on every rank; sync_dist only keeps Lightning from warning.
         if self.trainer.state.fn == "fit":  # (validate/test do not restore global_step: Lightning's default)
             self.log("step", float(self.global_step), sync_dist=True)
-        losses = [total / max(count, 1) for total, count, _, _ in sums]
+        totals = [LossTotals(*row) for row in sums]
+        losses = [t.loss for t in totals]
         # val/loss: the data's own validation split (a mixture: its sources' losses, weighted as the mixture)
         main = [(v.weight if v is not None else 1.0, loss) for v, loss in zip(self._val_sets, losses, strict=True)
                 if v is None or v.weight > 0]
         if main:  # (none when the data has no validation split of its own, only named held-out sets)
             loss = sum(w * x for w, x in main) / sum(w for w, _ in main)
             self.log(f"{split}/loss", loss, sync_dist=True)
-            self.log(f"{split}/ppl", math.exp(loss) if loss < 700 else math.inf, sync_dist=True)  # exp overflows >709
-        for val_set, x, (_, _, tokens, nbytes) in zip(self._val_sets, losses, sums, strict=True):
+            self.log(f"{split}/ppl", perplexity(loss), sync_dist=True)
+        for val_set, t in zip(self._val_sets, totals, strict=True):
             if val_set is not None and val_set.name:
-                self.log(f"{split}/{val_set.name}/loss", x, sync_dist=True)
-                self.log(f"{split}/{val_set.name}/bpb", x / math.log(2) * tokens / max(nbytes, 1), sync_dist=True)
+                self.log(f"{split}/{val_set.name}/loss", t.loss, sync_dist=True)
+                self.log(f"{split}/{val_set.name}/bpb", t.compute()["bits_per_byte"], sync_dist=True)
 
     def _log_lrs(self) -> None:
         """train/lr: the schedule's LR (optim.lr · factor); train/lr/<group>: each group's (× its multipliers)."""
@@ -206,15 +206,6 @@ def logs_this_update(trainer: Any, global_step: int) -> bool:
     every `log_every_n_steps` updates, and when the fit is stopping), as seen from inside that update."""
     every = trainer.log_every_n_steps
     return every > 0 and ((global_step + 1) % every == 0 or trainer.should_stop)
-
-
-def split_batch(batch: Tensor | dict[str, Tensor]) -> tuple[Tensor, Tensor | None]:
-    """(tokens [B, T+1], the inputs' position_ids [B, T] or None) of a batch: a token tensor, or with
-    `data.document_mask` the datamodule's dict `{"tokens", "position_ids"}`, both [B, T+1] (the model then masks
-    attention to each document)."""
-    if isinstance(batch, dict):
-        return batch["tokens"], batch["position_ids"][:, :-1]
-    return batch, None
 
 
 @model_fields

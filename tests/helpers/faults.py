@@ -120,8 +120,9 @@ def _patches(point: str, step: int | None, rank: int | None) -> list:
     )
     from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
-    from training.callbacks import guard, step_checkpoint
+    from training.callbacks import guard
     from training.callbacks.step_checkpoint import StepCheckpoint
+    from training.checkpointing import save
 
     def armed(at_step: int | None, default_rank: int | None = None) -> bool:
         want = rank if rank is not None else default_rank
@@ -133,13 +134,13 @@ def _patches(point: str, step: int | None, rank: int | None) -> list:
                 pause(f"{point}@{step}")
         return [mock.patch.object(StepCheckpoint, "on_train_batch_start", batch_start)]
     if point == "pause_after_shards":
-        commit = StepCheckpoint._commit
+        commit = save._commit
 
-        def commit_later(self, tmp, final, trainer, *args):
+        def commit_later(tmp, final, trainer, *args):
             if armed(trainer.global_step, 0):
                 pause(f"{point}@{step}")
-            return commit(self, tmp, final, trainer, *args)
-        return [mock.patch.object(StepCheckpoint, "_commit", commit_later)]
+            return commit(tmp, final, trainer, *args)
+        return [mock.patch.object(save, "_commit", commit_later)]
     if point in ("pause_mid_shard", "enospc_shard"):
         def failing(original, obj_key):
             def write(self, *args, **kwargs):  # (obj, path, ...) positionally or by keyword
@@ -156,13 +157,13 @@ def _patches(point: str, step: int | None, rank: int | None) -> list:
                                   failing(TorchCheckpointIO.save_checkpoint, "checkpoint")),
                 mock.patch.object(TorchCheckpointEngine, "save", failing(TorchCheckpointEngine.save, "state_dict"))]
     if point == "enospc_manifest":
-        write_text = step_checkpoint.write_text_atomic
+        write_text = save.write_text_atomic
 
         def write(path, text):
-            if Path(path).name == step_checkpoint.MANIFEST and armed(_step_of(path), 0):
+            if Path(path).name == save.MANIFEST and armed(_step_of(path), 0):
                 return Path("/dev/full").write_text(text)
             return write_text(path, text)
-        return [mock.patch.object(step_checkpoint, "write_text_atomic", write)]
+        return [mock.patch.object(save, "write_text_atomic", write)]
     if point == "blind_guard":
         return [mock.patch.object(guard.NonFiniteGuard, "_nonfinite_grads", lambda *args: [])]
     raise ValueError(f"unknown test fault {point!r}")

@@ -18,6 +18,7 @@ import contextlib
 import io
 import logging
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,7 @@ import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 
 from training.errors import UserError
+from training.loggers import log_scalars
 
 log = logging.getLogger(__name__)
 
@@ -97,8 +99,7 @@ class DownstreamEval(Callback):
         if trainer.is_global_zero:
             run_dir = Path(trainer.default_root_dir)
             tasks.record(tasks.result_path(run_dir, step), step, metrics, results, self._task_set.settings(), None,
-                         run_dir, list(trainer.loggers))
-            for logger in trainer.loggers:
-                logger.log_metrics({"eval/seconds": seconds}, step=step)
+                         run_dir, partial(log_scalars, trainer))
+            log_scalars(trainer, {"eval/seconds": seconds}, step)
             log.info("step %d, downstream (%.1f s): %s", step, seconds, tasks.summary_line(metrics))
         return metrics

@@ -50,6 +50,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 
 from model.names import layer_index
 from training.callbacks.spikes import SpikeRecorder, mean_and_std
+from training.loggers import log_scalars
 from training.strategy import is_deepspeed
 
 log = logging.getLogger(__name__)
@@ -273,5 +274,4 @@ class NonFiniteGuard(Callback):
 
     @staticmethod
     def _log(trainer: Trainer, values: dict[str, float], step: int) -> None:
-        if trainer.is_global_zero and trainer.logger is not None:
-            trainer.logger.log_metrics(values, step=step)
+        log_scalars(trainer, values, step)

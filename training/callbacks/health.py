@@ -28,6 +28,7 @@ from model.names import split_layer
 from model.probes import gain_stats, gain_tags, grad_norms, record
 from training.callbacks import depth_profile
 from training.distributed import full_param
+from training.loggers import log_scalars, tensorboard
 from training.strategy import is_deepspeed
 
 log = logging.getLogger(__name__)
@@ -124,8 +125,7 @@ class TrainingHealth(Callback):
             grad_of = safe_get_full_grad
         self._values.update(grad_norms(model, grad_of) if grad_of else grad_norms(model))
         self._values.update(self._param_stats(model, deepspeed))
-        if trainer.is_global_zero and trainer.logger is not None:
-            trainer.logger.log_metrics(self._values, step=step)
+        log_scalars(trainer, self._values, step)
         if step == 0:
             self._profile0 = depth_profile.profile_values(self._values)
         self._log_profile(trainer, step)
@@ -175,8 +175,5 @@ class TrainingHealth(Callback):
                     writer.add_histogram(f"hist/{name}", full.float().cpu(), step)
 
     @staticmethod
-    def _writer(trainer: Trainer):
-        if not trainer.is_global_zero or trainer.logger is None:
-            return None
-        experiment = getattr(trainer.logger, "experiment", None)
-        return experiment if hasattr(experiment, "add_custom_scalars") else None
+    def _writer(trainer: Trainer) -> Any:
+        return tensorboard(trainer)  # the charts, images and histograms are TensorBoard's alone

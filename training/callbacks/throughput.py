@@ -28,7 +28,8 @@ from lightning.fabric.utilities.throughput import get_available_flops
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.trainer.states import TrainerFn
 
-from training.lit_module import split_batch
+from training.eval.metrics import split_batch
+from training.loggers import log_scalars
 
 log = logging.getLogger(__name__)
 
@@ -76,8 +77,7 @@ class Throughput(Callback):
         self._last_step = trainer.global_step
         if trainer.is_global_zero:
             log.info("MFU is relative to %.3g peak FLOP/s per device", self._peak)
-            if trainer.logger is not None:
-                trainer.logger.log_metrics({"throughput/peak_tflops": self._peak / 1e12}, step=trainer.global_step)
+        log_scalars(trainer, {"throughput/peak_tflops": self._peak / 1e12}, trainer.global_step)
 
     def _peak_flops(self, trainer: Trainer) -> float:
         if self.peak_tflops:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import math
 import re
 import sys
 from dataclasses import dataclass
@@ -19,14 +18,15 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from tqdm import tqdm
 
-from data.dataset import gather, val_starts
-from data.layout import load_tokenizer, open_tokens, read_meta
+from data.dataset import val_starts, window_batch
+from data.layout import document_starts, load_tokenizer, open_tokens, read_meta
 from data.tokenizer import sha256_file
 from training.checkpointing.layout import MANIFEST, read_manifest
 from training.checkpointing.load import CheckpointError, load_checkpoint
+from training.eval.metrics import LossTotals, batch_loss, split_batch
+from training.loggers import write_scalars
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +52,7 @@ class HeldOut:
     seq_len: int
     tokens: np.ndarray
     starts: np.ndarray
+    document_starts: np.ndarray | None = None  # the split's documents when the run trained with document masking
 
     def settings(self) -> dict[str, Any]:
         """What the numbers depend on besides the weights: equal settings, equal windows of equal tokens."""
@@ -121,7 +122,10 @@ def plan_sets(specs: list[tuple[str | None, Path | None]], run_config: dict[str,
             n_windows = min(128, max(1, (len(tokens) - 1) // seq_len))
         if name is None:
             name = split if len(specs) == 1 else data_dir.resolve().name
-        out.append(HeldOut(name, data_dir, meta, split, seq_len, tokens, val_starts(len(tokens), seq_len, n_windows)))
+        # A run trained with document masking validated under it: score the same way (its windows and positions).
+        docs = document_starts(data_dir, split, meta) if run_data.get("document_mask") else None
+        out.append(HeldOut(name, data_dir, meta, split, seq_len, tokens, val_starts(len(tokens), seq_len, n_windows),
+                           docs))
     names = [h.name for h in out]
     if len(set(names)) != len(names):
         raise ValueError(f"--data: two sets are called {min(n for n in names if names.count(n) > 1)!r}; "
@@ -142,25 +146,20 @@ def checkpoint_tokenizer_sha256(checkpoint: str | Path, loaded_tokenizer: Path |
 
 
 def score(model: torch.nn.Module, held: HeldOut, batch_size: int, device: str) -> dict[str, Any]:
-    """Loss, perplexity and bits per byte of `model` on the windows of `held`."""
-    nbytes = piece_bytes(held.data_dir / held.meta["tokenizer_path"], model.cfg.vocab_size)
-    total, count, total_bytes = 0.0, 0, 0
+    """Loss, perplexity and bits per byte of `model` on the windows of `held`: the batches and the loss of the
+    run's own validation (`window_batch`, `batch_loss`), reduced by `LossTotals`."""
+    nbytes = torch.from_numpy(piece_bytes(held.data_dir / held.meta["tokenizer_path"], model.cfg.vocab_size))
+    totals = LossTotals()
     batches = range(0, len(held.starts), batch_size)
     with torch.no_grad():
         for b in tqdm(batches, desc=f"evaluate {held.name}", disable=len(batches) < 4 or not sys.stderr.isatty()):
-            window = gather(held.tokens, held.starts[b:b + batch_size], held.seq_len + 1)
-            x = torch.from_numpy(window).to(device)
-            logits = model(x[:, :-1])
-            total += F.cross_entropy(logits.flatten(0, 1).float(), x[:, 1:].flatten(), reduction="sum").item()
-            count += x[:, 1:].numel()
-            total_bytes += int(nbytes[window[:, 1:]].sum())
-    loss = total / count
-    return {
-        "set": held.name, "data": str(held.data_dir), "split": held.split, "seq_len": held.seq_len,
-        "tokens": count, "bytes": total_bytes, "loss": loss,
-        "perplexity": math.exp(loss) if loss < 700 else math.inf,
-        "bits_per_byte": loss / math.log(2) * count / max(total_bytes, 1),
-    }
+            batch = window_batch(held.tokens, held.starts[b:b + batch_size], held.seq_len + 1, held.document_starts)
+            batch = {k: v.to(device) for k, v in batch.items()} if isinstance(batch, dict) else batch.to(device)
+            targets = split_batch(batch)[0][:, 1:]
+            totals.add(batch_loss(model, batch).double().item() * targets.numel(), targets.numel(),
+                       int(nbytes[targets.cpu()].sum()))
+    return {"set": held.name, "data": str(held.data_dir), "split": held.split, "seq_len": held.seq_len,
+            "tokens": totals.tokens, "bytes": totals.nbytes, **totals.compute()}
 
 
 def evaluate_sets(checkpoint: str | Path, data: list[str] | None = None, split: str = "val",
@@ -188,12 +187,9 @@ def evaluate(checkpoint: str | Path, data: str | Path | None = None, split: str 
 
 def log_to_tensorboard(run_dir: Path, results: list[dict[str, Any]]) -> None:
     """`eval/<set>/loss|ppl|bpb` at each result's step, in the run's own TensorBoard directory."""
-    from torch.utils.tensorboard import SummaryWriter
-
-    with SummaryWriter(str(run_dir)) as writer:
-        for result in results:
-            for key, tag in (("loss", "loss"), ("perplexity", "ppl"), ("bits_per_byte", "bpb")):
-                writer.add_scalar(f"eval/{result['set']}/{tag}", result[key], result["step"])
+    for result in results:
+        write_scalars(run_dir, {f"eval/{result['set']}/{tag}": result[key] for key, tag in
+                                (("loss", "loss"), ("perplexity", "ppl"), ("bits_per_byte", "bpb"))}, result["step"])
 
 
 def split_line(r: dict[str, Any]) -> str:

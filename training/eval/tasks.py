@@ -22,7 +22,9 @@ import io
 import json
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +33,7 @@ from lm_eval.evaluator import evaluate
 from lm_eval.tasks import TaskManager
 
 from training.checkpointing.layout import step_dirname, write_text_atomic
+from training.loggers import write_scalars
 
 log = logging.getLogger(__name__)
 
@@ -143,8 +146,10 @@ def scored_with(path: Path, settings: dict[str, Any]) -> bool:
 
 
 def record(path: Path, step: int, metrics: dict[str, dict[str, float]], results: dict[str, Any],
-           settings: dict[str, Any], checkpoint: str | None, run_dir: Path | None, loggers: list[Any]) -> None:
-    """Write one evaluation: its JSON (atomically), the run's CSV, and the tags to every logger given."""
+           settings: dict[str, Any], checkpoint: str | None, run_dir: Path | None,
+           log_scalars: Callable[[dict[str, float], int], None] | None) -> None:
+    """Write one evaluation: its JSON (atomically), the run's CSV, and the tags through `log_scalars` (every
+    logger of a training run; the run's TensorBoard events offline)."""
     summary = {"step": step, "checkpoint": checkpoint, "settings": settings, "metrics": metrics,
                "results": {k: v for k, v in results.items() if k != "samples"}}
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -152,9 +157,8 @@ def record(path: Path, step: int, metrics: dict[str, dict[str, float]], results:
     if run_dir is not None and path == result_path(run_dir, step):
         write_csv(run_dir)
     tags = {f"eval/{task}/{name}": value for task, values in metrics.items() for name, value in values.items()}
-    for logger in loggers:
-        logger.log_metrics(tags, step=step)
-        logger.save()
+    if log_scalars is not None:
+        log_scalars(tags, step)
 
 
 def write_csv(run_dir: Path) -> Path:
@@ -174,23 +178,6 @@ def write_csv(run_dir: Path) -> Path:
 def summary_line(metrics: dict[str, dict[str, float]]) -> str:
     return "; ".join(f"{task}: " + ", ".join(f"{k} {v:.4f}" for k, v in values.items())
                      for task, values in sorted(metrics.items()))
-
-
-class EventFile:
-    """The run's own TensorBoard directory as a logger for `record` (outside a training run)."""
-
-    def __init__(self, run_dir: Path) -> None:
-        self.run_dir = run_dir
-
-    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
-        from torch.utils.tensorboard import SummaryWriter
-
-        with SummaryWriter(str(self.run_dir)) as writer:
-            for tag, value in metrics.items():
-                writer.add_scalar(tag, value, step)
-
-    def save(self) -> None:
-        pass
 
 
 def run_tasks(checkpoint: str | Path, tasks: list[str], num_fewshot: int | None = None, limit: int | None = None,
@@ -219,7 +206,7 @@ def run_tasks(checkpoint: str | Path, tasks: list[str], num_fewshot: int | None 
     metrics = task_metrics(results, task_set)
     step = loaded.step if loaded.step is not None else -1
     record(output or result_path(loaded.run_dir, step), step, metrics, results, task_set.settings(), str(checkpoint),
-           loaded.run_dir, [EventFile(loaded.run_dir)] if in_run else [])
+           loaded.run_dir, partial(write_scalars, loaded.run_dir) if in_run else None)
     log.info("step %s: %s", loaded.step, summary_line(metrics))
     return {**results, "metrics": metrics}
 

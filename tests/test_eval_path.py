@@ -1,0 +1,51 @@
+"""One evaluation path: `normlab evaluate` scores the same batches, under the same document mask, with the same
+loss and the same reduction to loss/ppl/bits-per-byte as the validation inside `normlab fit`."""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from data.prepare import prepare
+from tests.helpers.multiproc import REPO, run_normlab
+from tests.helpers.runs import scalars
+from tests.test_docmask_data import short_documents
+from training.eval import cli as eval_cli
+from training.eval.metrics import LossTotals
+
+
+def test_loss_totals_match_float64_reference() -> None:
+    """Sums of per-batch token-weighted losses → loss, ppl, bpb, checked against plain float64 arithmetic."""
+    torch.manual_seed(0)
+    losses, tokens = torch.rand(5, dtype=torch.float64) * 4, torch.tensor([64, 64, 64, 64, 17])
+    nbytes = torch.tensor([150, 140, 170, 160, 40])
+    totals = LossTotals()
+    for loss, n, b in zip(losses.tolist(), tokens.tolist(), nbytes.tolist(), strict=True):
+        totals.add(loss * n, n, b)
+    mean = float((losses * tokens).sum() / tokens.sum())
+    out = totals.compute()
+    assert out["loss"] == pytest.approx(mean, rel=1e-12)
+    assert out["perplexity"] == pytest.approx(math.exp(mean), rel=1e-12)
+    assert out["bits_per_byte"] == pytest.approx(mean / math.log(2) * int(tokens.sum()) / int(nbytes.sum()), rel=1e-12)
+    assert LossTotals(loss_sum=800.0, tokens=1).compute()["perplexity"] == math.inf  # exp would overflow
+
+
+@pytest.mark.slow
+def test_evaluate_reproduces_val_loss_of_a_document_masked_run(tmp_path: Path) -> None:
+    """`normlab evaluate` on the checkpoint of a `data.document_mask: true` run prints the val/loss the run logged
+    at that step (its windows, its mask: without the mask the loss differs by far more than the tolerance)."""
+    corpus = prepare([short_documents(tmp_path / "in", "docs", 300, 0)], output=tmp_path / "docs", vocab_size=300,
+                     val_fraction=0.2)
+    run_normlab(["fit", "-c", str(REPO / "tests" / "helpers" / "tiny.yaml"), "--data.path", str(corpus),
+                 "--data.document_mask", "true", "--runs_dir", str(tmp_path / "runs"), "--name", "docmask",
+                 "--trainer.max_steps", "4", "--data.seq_len", "32"], cwd=tmp_path)
+    run = tmp_path / "runs" / "docmask"
+    out = tmp_path / "eval.json"
+    assert eval_cli.main(["--checkpoint", str(run / "checkpoints" / "step-00000004"), "--output", str(out),
+                          "--device", "cpu"]) == 0
+    result = json.loads(out.read_text())
+    assert result["tokens"] == 2 * 4 * 32  # val_batches · batch_size · seq_len: the run's own windows
+    assert result["loss"] == pytest.approx(scalars(run, "val/loss")[4], rel=1e-5)

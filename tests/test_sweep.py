@@ -212,3 +212,26 @@ def test_a_diverging_run_is_recorded_and_the_others_go_on(work):
     assert [(r["cell"], r["status"]) for r in state["runs"]] == [("lr=1e+30", "diverged"), ("lr=0.001", "finished")]
     record = json.loads((work / "runs" / "div" / "lr=1e+30" / "s0" / "sweep-run.json").read_text())
     assert "NonFiniteError" in record["error"], record
+
+
+def test_the_sbatch_script_carries_the_specs_resources(monkeypatch, tmp_path):
+    from training.sweep.slurm import script
+
+    monkeypatch.chdir(ROOT)
+    spec = load_spec(ROOT / "configs" / "sweeps" / "placement_lr_125m.yaml")
+    lines = script(spec, tmp_path / "tasks.json", 18, None).splitlines()
+    options = {line.removeprefix("#SBATCH ") for line in lines if line.startswith("#SBATCH ")}
+    assert {"--array=0-17%6", "--nodes=1", "--ntasks-per-node=8", "--gpus-per-node=8", "--cpus-per-task=8",
+            "--time=06:00:00", "--partition=gpu", "--requeue", "--open-mode=append", "--signal=B:USR1@300",
+            "--exclusive"} <= options
+    assert lines[-2:] == ["source .venv/bin/activate",
+                          f'exec {sys.executable} -m training.sweep.slurm {tmp_path}/tasks.json "$SLURM_ARRAY_TASK_ID"']
+    assert "--array=0-17%3" in script(spec, tmp_path / "tasks.json", 18, 3)  # --max-parallel overrides
+
+
+def test_a_bad_slurm_key_is_one_line(work):
+    spec = write_spec(work, "badslurm", slurm={"gpus": 8})
+    proc = sweep(spec, "--executor", "slurm")
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 2 and out.count("\n") == 1, out
+    assert "unknown slurm key 'gpus'; valid: nodes, gpus_per_node" in out, out

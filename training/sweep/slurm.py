@@ -80,6 +80,7 @@ def script(spec: Spec, tasks_file: Path, n: int, max_parallel: int | None) -> st
 
 def submit(spec: Spec, runs: list[Run], max_parallel: int | None, wait: bool = False) -> int:
     """Submit the runs not finished (nor running) as one array; with `wait`, follow it to its end."""
+    resources(spec)  # a bad slurm: key is reported before anything is written
     with locked(spec.sweep_dir / ".lock", blocking=False) as mine:
         if not mine:
             raise UserError(f"another sweep process is working on '{spec.sweep_dir}'; wait for it, or stop it")

@@ -237,3 +237,19 @@ def test_a_bad_slurm_key_is_one_line(work):
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 2 and out.count("\n") == 1, out
     assert "unknown slurm key 'gpus'; valid: nodes, gpus_per_node" in out, out
+
+
+def test_parallel_runs_get_disjoint_devices_or_cores(monkeypatch):
+    from training.errors import UserError
+    from training.sweep.local import slots
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3")
+    assert [s["env"] for s in slots(2)] == [{"CUDA_VISIBLE_DEVICES": "0,1"}, {"CUDA_VISIBLE_DEVICES": "2,3"}]
+    with pytest.raises(UserError, match="--max-parallel 5 needs at least as many GPUs; 4 are visible"):
+        slots(5)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # no GPU: shares of the CPU cores
+    cores = sorted(os.sched_getaffinity(0))
+    assert slots(1) == [{"env": {}, "cpus": None}]
+    shares = slots(len(cores))
+    assert [s["cpus"] for s in shares] == [[c] for c in cores]
+    assert all(s["env"]["OMP_NUM_THREADS"] == "1" for s in shares)

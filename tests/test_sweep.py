@@ -60,6 +60,11 @@ def files(run_dir: Path) -> dict[str, tuple[int, int, bytes]]:
             for ckpt in complete_checkpoints(run_dir) for p in sorted(ckpt.rglob("*")) if p.is_file()}
 
 
+def attempts(run_dir: Path) -> int:
+    """How many times the sweep started the run's fit (its log has a header per attempt)."""
+    return (run_dir / "fit.log").read_text().count("=== sweep attempt ")
+
+
 @pytest.fixture(scope="module")
 def work(workdir: Path) -> Path:
     shutil.copy(HELPERS / "tiny.yaml", workdir / "tiny.yaml")
@@ -102,8 +107,9 @@ def test_kill_9_mid_sweep_then_rerun_resumes_and_matches_the_uninterrupted_sweep
     rerun = sweep(spec, "--max-parallel", "2")
     out, _ = rerun.communicate(timeout=900)
     assert rerun.returncode == 0, out
-    for r in finished:  # not retrained: the same files, inodes and times
+    for r in finished:  # not retrained, not even started again: the same files, inodes and times; one attempt
         assert files(sweep_dir / r) == before[r], r
+        assert attempts(sweep_dir / r) == 1, r
     for r in partial:  # resumed: the checkpoints it had are kept as they were, the fit log shows a second attempt
         after = files(sweep_dir / r)
         assert all(after.get(f) == v for f, v in partial_ckpts[r].items()), r
@@ -122,6 +128,7 @@ def test_rerun_of_a_finished_sweep_trains_nothing_and_status_shows_every_run(wor
     before = {r: files(sweep_dir / r) for r in ("placement=pre/s0", "placement=post/s1")}
     assert main(["sweep", str(reference)]) == 0
     assert {r: files(sweep_dir / r) for r in before} == before
+    assert all(attempts(sweep_dir / r) == 1 for r in before)  # no fit was started for them
     capsys.readouterr()
     assert main(["sweep", str(reference), "--status"]) == 0
     out = capsys.readouterr().out.splitlines()

@@ -74,7 +74,9 @@ def progress(run_dir: Path) -> tuple[int, int | None]:
         return 0, None
     step = read_manifest(found[-1])["step"]
     try:
-        config = yaml.safe_load((found[-1] / CONFIG_FILE).read_text()) or {}
+        # libyaml's loader when present: this runs for every run on every state change
+        loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+        config = yaml.load((found[-1] / CONFIG_FILE).read_text(), Loader=loader) or {}
         max_steps = int((config.get("trainer") or {}).get("max_steps"))
     except (OSError, TypeError, ValueError, yaml.YAMLError):
         max_steps = None

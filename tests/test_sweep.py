@@ -15,6 +15,7 @@ import pytest
 import torch
 import yaml
 
+from training.checkpointing.layout import complete_checkpoints
 from training.cli import main
 from training.sweep.spec import load_spec
 from training.sweep.state import run_status
@@ -53,9 +54,15 @@ def final_state(run_dir: Path) -> dict[str, torch.Tensor]:
 
 
 def files(run_dir: Path) -> dict[str, tuple[int, int, bytes]]:
-    """Every checkpoint file of a run: inode, mtime and content — a retrained or rewritten file changes them."""
+    """Every file of the run's complete checkpoints: inode, mtime and content — a retrained or rewritten file
+    changes them. (A save that kill -9 interrupted is not one: the resumed fit moves it aside.)"""
     return {str(p.relative_to(run_dir)): (p.stat().st_ino, p.stat().st_mtime_ns, p.read_bytes())
-            for p in sorted((run_dir / "checkpoints").rglob("*")) if p.is_file()}
+            for ckpt in complete_checkpoints(run_dir) for p in sorted(ckpt.rglob("*")) if p.is_file()}
+
+
+def attempts(run_dir: Path) -> int:
+    """How many times the sweep started the run's fit (its log has a header per attempt)."""
+    return (run_dir / "fit.log").read_text().count("=== sweep attempt ")
 
 
 @pytest.fixture(scope="module")
@@ -100,11 +107,12 @@ def test_kill_9_mid_sweep_then_rerun_resumes_and_matches_the_uninterrupted_sweep
     rerun = sweep(spec, "--max-parallel", "2")
     out, _ = rerun.communicate(timeout=900)
     assert rerun.returncode == 0, out
-    for r in finished:  # not retrained: the same files, inodes and times
+    for r in finished:  # not retrained, not even started again: the same files, inodes and times; one attempt
         assert files(sweep_dir / r) == before[r], r
+        assert attempts(sweep_dir / r) == 1, r
     for r in partial:  # resumed: the checkpoints it had are kept as they were, the fit log shows a second attempt
         after = files(sweep_dir / r)
-        assert all(after[f] == v for f, v in partial_ckpts[r].items() if "incomplete" not in f), r
+        assert all(after.get(f) == v for f, v in partial_ckpts[r].items()), r
         assert "sweep attempt 2" in (sweep_dir / r / "fit.log").read_text()
     state = json.loads((sweep_dir / "sweep.json").read_text())
     assert [(e["run_dir"], e["status"], e["step"]) for e in state["runs"]] == [(r, "finished", STEPS) for r in runs]
@@ -120,6 +128,7 @@ def test_rerun_of_a_finished_sweep_trains_nothing_and_status_shows_every_run(wor
     before = {r: files(sweep_dir / r) for r in ("placement=pre/s0", "placement=post/s1")}
     assert main(["sweep", str(reference)]) == 0
     assert {r: files(sweep_dir / r) for r in before} == before
+    assert all(attempts(sweep_dir / r) == 1 for r in before)  # no fit was started for them
     capsys.readouterr()
     assert main(["sweep", str(reference), "--status"]) == 0
     out = capsys.readouterr().out.splitlines()
@@ -212,3 +221,42 @@ def test_a_diverging_run_is_recorded_and_the_others_go_on(work):
     assert [(r["cell"], r["status"]) for r in state["runs"]] == [("lr=1e+30", "diverged"), ("lr=0.001", "finished")]
     record = json.loads((work / "runs" / "div" / "lr=1e+30" / "s0" / "sweep-run.json").read_text())
     assert "NonFiniteError" in record["error"], record
+
+
+def test_the_sbatch_script_carries_the_specs_resources(monkeypatch, tmp_path):
+    from training.sweep.slurm import script
+
+    monkeypatch.chdir(ROOT)
+    spec = load_spec(ROOT / "configs" / "sweeps" / "placement_lr_125m.yaml")
+    lines = script(spec, tmp_path / "tasks.json", 18, None).splitlines()
+    options = {line.removeprefix("#SBATCH ") for line in lines if line.startswith("#SBATCH ")}
+    assert {"--array=0-17%6", "--nodes=1", "--ntasks-per-node=8", "--gpus-per-node=8", "--cpus-per-task=8",
+            "--time=06:00:00", "--partition=gpu", "--requeue", "--open-mode=append", "--signal=B:USR1@300",
+            "--exclusive"} <= options
+    assert lines[-2:] == ["source .venv/bin/activate",
+                          f'exec {sys.executable} -m training.sweep.slurm {tmp_path}/tasks.json "$SLURM_ARRAY_TASK_ID"']
+    assert "--array=0-17%3" in script(spec, tmp_path / "tasks.json", 18, 3)  # --max-parallel overrides
+
+
+def test_a_bad_slurm_key_is_one_line(work):
+    spec = write_spec(work, "badslurm", slurm={"gpus": 8})
+    proc = sweep(spec, "--executor", "slurm")
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 2 and out.count("\n") == 1, out
+    assert "unknown slurm key 'gpus'; valid: nodes, gpus_per_node" in out, out
+
+
+def test_parallel_runs_get_disjoint_devices_or_cores(monkeypatch):
+    from training.errors import UserError
+    from training.sweep.local import slots
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3")
+    assert [s["env"] for s in slots(2)] == [{"CUDA_VISIBLE_DEVICES": "0,1"}, {"CUDA_VISIBLE_DEVICES": "2,3"}]
+    with pytest.raises(UserError, match="--max-parallel 5 needs at least as many GPUs; 4 are visible"):
+        slots(5)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # no GPU: shares of the CPU cores
+    cores = sorted(os.sched_getaffinity(0))
+    assert slots(1) == [{"env": {}, "cpus": None}]
+    shares = slots(len(cores))
+    assert [s["cpus"] for s in shares] == [[c] for c in cores]
+    assert all(s["env"]["OMP_NUM_THREADS"] == "1" for s in shares)

@@ -89,8 +89,9 @@ def train(spec: Spec, run: Run, env: dict[str, str] | None = None,
         proc = subprocess.Popen([*(prefix or []), sys.executable, "-m", "training.cli", "fit", *run.fit_args],
                                 stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 env={**os.environ, **(env or {})})
+    base["started"] = time.time()
     write_json(run_dir / RUN_RECORD, {**base, "status": "running", "pid": proc.pid, "host": socket.gethostname(),
-                                      "started": time.time()})
+                                      "slurm_job": os.environ.get("SLURM_JOB_ID")})
     if started is not None:
         started(proc)
     returncode = proc.wait()

@@ -24,6 +24,7 @@ from typing import Any
 from training.errors import UserError
 from training.sweep.launch import train
 from training.sweep.spec import Run, Spec
+from training.sweep.state import LOG_FILE, RUN_RECORD, read_json
 
 log = logging.getLogger(__name__)
 
@@ -103,7 +104,12 @@ class LocalExecutor:
             with self.lock:
                 self.procs = {pid: p for pid, p in self.procs.items() if p.poll() is None}
                 self.results[run.rel] = status
-            log.info("%s: %s", run.rel, status)
+            if status in ("failed", "diverged"):
+                record = read_json(self.spec.sweep_dir / run.rel / RUN_RECORD) or {}
+                log.warning("%s %s: %s (log: %s)", run.rel, status, record.get("error"),
+                            self.spec.sweep_dir / run.rel / LOG_FILE)
+            else:
+                log.info("%s: %s", run.rel, status)
             self.on_change()
 
     def run(self, runs: list[Run]) -> dict[str, str]:

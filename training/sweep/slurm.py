@@ -80,6 +80,7 @@ def script(spec: Spec, tasks_file: Path, n: int, max_parallel: int | None) -> st
 
 def submit(spec: Spec, runs: list[Run], max_parallel: int | None, wait: bool = False) -> int:
     """Submit the runs not finished (nor running) as one array; with `wait`, follow it to its end."""
+    resources(spec)  # a bad slurm: key is reported before anything is written
     with locked(spec.sweep_dir / ".lock", blocking=False) as mine:
         if not mine:
             raise UserError(f"another sweep process is working on '{spec.sweep_dir}'; wait for it, or stop it")
@@ -143,7 +144,11 @@ def task_main(argv: list[str]) -> int:
     tasks = json.loads(Path(argv[0]).read_text())
     spec = load_spec(tasks["spec_path"])
     runs = spec.runs()
-    run = next(r for r in runs if r.rel == tasks["runs"][int(argv[1])])
+    rel = tasks["runs"][int(argv[1])]
+    run = next((r for r in runs if r.rel == rel), None)
+    if run is None:
+        raise UserError(f"run {rel} is no longer in the spec '{spec.path}' (edited since the array was submitted); "
+                        "restore the spec or cancel the array")
     task = _Task()
     for s in (signal.SIGUSR1, signal.SIGTERM):
         signal.signal(s, task.handle)
@@ -169,6 +174,12 @@ def task_main(argv: list[str]) -> int:
 
 if __name__ == "__main__":
     from training.cli import _setup_logging
+    from training.errors import is_user_error, report
 
     _setup_logging()
-    sys.exit(task_main(sys.argv[1:]))
+    try:
+        sys.exit(task_main(sys.argv[1:]))
+    except Exception as err:
+        if not is_user_error(err):
+            raise
+        sys.exit(report("sweep", err))

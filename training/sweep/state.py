@@ -18,7 +18,9 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import shutil
 import socket
+import subprocess
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -72,7 +74,9 @@ def progress(run_dir: Path) -> tuple[int, int | None]:
         return 0, None
     step = read_manifest(found[-1])["step"]
     try:
-        config = yaml.safe_load((found[-1] / CONFIG_FILE).read_text()) or {}
+        # libyaml's loader when present: this runs for every run on every state change
+        loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+        config = yaml.load((found[-1] / CONFIG_FILE).read_text(), Loader=loader) or {}
         max_steps = int((config.get("trainer") or {}).get("max_steps"))
     except (OSError, TypeError, ValueError, yaml.YAMLError):
         max_steps = None
@@ -80,10 +84,10 @@ def progress(run_dir: Path) -> tuple[int, int | None]:
 
 
 def _alive(record: dict[str, Any]) -> bool:
-    """Whether the recorded attempt's process still runs (on this host; another host's is taken on trust). A
+    """Whether the recorded attempt's process still runs (on another host: whether Slurm still lists its job). A
     zombie (a killed run whose parent died too, left unreaped) or a reused pid running something else is not."""
     if record.get("host") != socket.gethostname():
-        return True
+        return _slurm_job_alive(record.get("slurm_job"))
     pid = record.get("pid")
     proc = Path(f"/proc/{pid}")
     if not isinstance(pid, int) or pid <= 0:
@@ -101,6 +105,17 @@ def _alive(record: dict[str, Any]) -> bool:
         return False
     command = [a.encode() for a in record.get("command", [])[1:]]
     return state not in ("Z", "X") and all(a in cmdline for a in command)
+
+
+def _slurm_job_alive(job: str | None) -> bool:
+    """Whether Slurm still lists the job (pending, running, requeued); without a job id or squeue, trust it."""
+    if not job or shutil.which("squeue") is None:
+        return True
+    try:
+        out = subprocess.run(["squeue", "-h", "-j", str(job), "-o", "%T"], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return True
+    return out.returncode != 0 or bool(out.stdout.strip())  # an error (controller down) is no evidence of death
 
 
 def run_status(run_dir: Path) -> tuple[str, int, dict[str, Any] | None]:

@@ -55,6 +55,17 @@ def check_resume(ckpt_dir: Path, trainer: Trainer, pl_module: LightningModule) -
     check_fits(ckpt_dir, pl_module.config.to_dict(), trainer.datamodule.tokenizer_path, trainer)
 
 
+def _as_today(saved: dict[str, Any]) -> dict[str, Any]:
+    """A saved model config as today's ModelConfig writes it: a field added since (head_dim, rope_*, μP's) takes
+    its default, so a checkpoint written before it resumes (a config ModelConfig refuses is compared as saved)."""
+    from model.config import ModelConfig
+
+    try:
+        return ModelConfig(**saved).to_dict()
+    except (TypeError, ValueError):
+        return saved
+
+
 def check_fits(ckpt_dir: Path, model_config: dict[str, Any], tokenizer_path: Path | None, trainer: Trainer,
                action: str = "resume") -> None:
     """The checkpoint at `ckpt_dir` can be loaded into a run with `model_config`, trained on the tokenizer at
@@ -64,7 +75,7 @@ def check_fits(ckpt_dir: Path, model_config: dict[str, Any], tokenizer_path: Pat
     verify_files(ckpt_dir, manifest)
     config_file = ckpt_dir / MODEL_CONFIG_FILE
     if config_file.is_file():
-        saved = json.loads(config_file.read_text())
+        saved = _as_today(json.loads(config_file.read_text()))
         if config_hash(saved) != config_hash(model_config):
             diff = ", ".join(f"{k}: {saved.get(k)!r} → {model_config.get(k)!r}"
                              for k in sorted(set(saved) | set(model_config)) if saved.get(k) != model_config.get(k))

@@ -69,10 +69,10 @@ def test_the_metric_is_any_scalar_tag(runs, tmp_path, capsys):
 
 @pytest.mark.parametrize("args, message", [
     (["--metric", "val/lsos"], "--metric 'val/lsos' is logged by none of the runs; choose a scalar tag they log"),
-    (["--group-by", "model.nrom"], "--group-by model.nrom: no such key in"),
-    (["--group-by", "optim.lr"], "are both lr=0.001 at seed_everything=1234: a cell needs one run per seed"),
-    (["--baseline", "norm=None"], "--baseline and --margin compare cells: give --group-by KEY... too"),
-    (["--group-by", "model.norm", "--baseline", "norm=rms"], "baseline 'norm=rms' is not a cell"),
+    (["--group_by", "model.nrom"], "--group_by model.nrom: no such key in"),
+    (["--group_by", "optim.lr"], "are both lr=0.001 at seed_everything=1234: a cell needs one run per seed"),
+    (["--baseline", "norm=None"], "--baseline and --margin compare cells: give --group_by KEY... too"),
+    (["--group_by", "model.norm", "--baseline", "norm=rms"], "baseline 'norm=rms' is not a cell"),
 ])
 def test_bad_input_is_one_line(runs, tmp_path, capsys, args, message):
     from training.cli import main as normlab

@@ -75,7 +75,7 @@ def work(workdir: Path) -> Path:
 def reference(work: Path) -> Path:
     """An uninterrupted 2 cells × 2 seeds sweep."""
     spec = write_spec(work, "ref")
-    proc = sweep(spec, "--max-parallel", "2")
+    proc = sweep(spec, "--max_parallel", "2")
     out, _ = proc.communicate(timeout=900)
     assert proc.returncode == 0, out
     return spec
@@ -86,7 +86,7 @@ def test_kill_9_mid_sweep_then_rerun_resumes_and_matches_the_uninterrupted_sweep
     spec = write_spec(work, "killed")
     sweep_dir = work / "runs" / "killed"
     runs = [r.rel for r in load_spec(spec).runs()]
-    proc = sweep(spec, "--max-parallel", "2", start_new_session=True)
+    proc = sweep(spec, "--max_parallel", "2", start_new_session=True)
     # Kill once a run has finished and another is part-way (a complete checkpoint short of the end).
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline:
@@ -104,7 +104,7 @@ def test_kill_9_mid_sweep_then_rerun_resumes_and_matches_the_uninterrupted_sweep
     before = {r: files(sweep_dir / r) for r in finished}
     partial_ckpts = {r: files(sweep_dir / r) for r in partial}
 
-    rerun = sweep(spec, "--max-parallel", "2")
+    rerun = sweep(spec, "--max_parallel", "2")
     out, _ = rerun.communicate(timeout=900)
     assert rerun.returncode == 0, out
     for r in finished:  # not retrained, not even started again: the same files, inodes and times; one attempt
@@ -147,7 +147,7 @@ def test_a_spec_edit_that_changes_a_trained_run_is_refused_naming_it(work, refer
     # New cells would be new runs; an edit of an existing run's arguments is what must be refused:
     changed = write_spec(work, "ref", base={"config": [str(work / "tiny.yaml")], "overrides": {
         "data.path": str(work / "tiny"), "trainer.max_steps": STEPS, "optim.lr": 0.01}})
-    assert main(["sweep", str(changed), "--dry-run"]) == 0  # a dry-run only lists
+    assert main(["sweep", str(changed), "--dry_run"]) == 0  # a dry-run only lists
     capsys.readouterr()
     assert main(["sweep", str(changed)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
@@ -169,7 +169,7 @@ def test_dry_run_lists_every_run_and_its_exact_fit_command(work, capsys):
     spec = write_spec(work, "dry", grid={"model.placement": ["pre", "post"]},
                       zip={"optim.lr": [0.001, 0.003], "optim.min_lr": [0.0001, 0.0003]}, seeds=[3],
                       data_order="seed", baseline=None)
-    assert main(["sweep", str(spec), "--dry-run"]) == 0
+    assert main(["sweep", str(spec), "--dry_run"]) == 0
     out = capsys.readouterr().out
     cells = ["placement=pre,lr=0.001,min_lr=0.0001", "placement=pre,lr=0.003,min_lr=0.0003",
              "placement=post,lr=0.001,min_lr=0.0001", "placement=post,lr=0.003,min_lr=0.0003"]
@@ -184,7 +184,7 @@ def test_dry_run_lists_every_run_and_its_exact_fit_command(work, capsys):
 @pytest.mark.parametrize("example", sorted((ROOT / "configs" / "sweeps").glob("*.yaml")), ids=lambda p: p.name)
 def test_example_specs_parse(example, monkeypatch, capsys):
     monkeypatch.chdir(ROOT)
-    assert main(["sweep", str(example), "--dry-run"]) == 0
+    assert main(["sweep", str(example), "--dry_run"]) == 0
     out = capsys.readouterr().out
     assert out.count("python -m training.cli fit") == len(load_spec(example).runs()) == 18
 
@@ -202,7 +202,7 @@ def test_example_specs_parse(example, monkeypatch, capsys):
 ])
 def test_a_bad_spec_is_one_line_naming_the_field(work, change, message):
     spec = write_spec(work, "bad", **change)
-    proc = sweep(spec, "--dry-run")
+    proc = sweep(spec, "--dry_run")
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 2 and out.count("\n") == 1, out
     assert out.startswith(f"normlab sweep: error: sweep spec '{spec}': ") and message in out, out
@@ -214,7 +214,7 @@ def test_a_diverging_run_is_recorded_and_the_others_go_on(work):
     spec = write_spec(work, "div", grid={"optim.lr": [1.0e30, 0.001]}, seeds=[0], baseline=None,
                       base={"config": [str(work / "tiny.yaml")], "overrides": {
                           "data.path": str(work / "tiny"), "trainer.max_steps": 4}})
-    proc = sweep(spec, "--max-parallel", "2")
+    proc = sweep(spec, "--max_parallel", "2")
     out, _ = proc.communicate(timeout=600)
     assert proc.returncode == 0, out  # a divergence is an outcome of the sweep, not its failure
     state = json.loads((work / "runs" / "div" / "sweep.json").read_text())
@@ -235,7 +235,7 @@ def test_the_sbatch_script_carries_the_specs_resources(monkeypatch, tmp_path):
             "--exclusive"} <= options
     assert lines[-2:] == ["source .venv/bin/activate",
                           f'exec {sys.executable} -m training.sweep.slurm {tmp_path}/tasks.json "$SLURM_ARRAY_TASK_ID"']
-    assert "--array=0-17%3" in script(spec, tmp_path / "tasks.json", 18, 3)  # --max-parallel overrides
+    assert "--array=0-17%3" in script(spec, tmp_path / "tasks.json", 18, 3)  # --max_parallel overrides
 
 
 def test_a_bad_slurm_key_is_one_line(work):
@@ -252,7 +252,7 @@ def test_parallel_runs_get_disjoint_devices_or_cores(monkeypatch):
 
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3")
     assert [s["env"] for s in slots(2)] == [{"CUDA_VISIBLE_DEVICES": "0,1"}, {"CUDA_VISIBLE_DEVICES": "2,3"}]
-    with pytest.raises(UserError, match="--max-parallel 5 needs at least as many GPUs; 4 are visible"):
+    with pytest.raises(UserError, match="--max_parallel 5 needs at least as many GPUs; 4 are visible"):
         slots(5)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # no GPU: shares of the CPU cores
     cores = sorted(os.sched_getaffinity(0))

@@ -1,7 +1,7 @@
 """The sweep report on a real local sweep of tiny `normlab fit` runs (`normlab sweep SPEC`, then `--report`):
 every number in report.md and runs.csv equals the one recomputed here from each run's own TensorBoard event
 files (EventAccumulator directly, and scipy for the intervals), a diverged run is counted as an outcome,
-`normlab compare --group-by` prints the same tables, and bad input is one line."""
+`normlab compare --group_by` prints the same tables, and bad input is one line."""
 from __future__ import annotations
 
 import csv
@@ -36,7 +36,7 @@ def sweep(workdir: Path) -> Path:
             "grid": {"model.placement": ["pre", "post"], "optim.lr": [0.001, HUGE_LR]},
             "seeds": [0, 1], "metric": "val/loss", "mode": "min", "baseline": BASELINE, "margin": 0.05}
     (workdir / "demo.yaml").write_text(yaml.safe_dump(spec))
-    run_normlab(["sweep", str(workdir / "demo.yaml"), "--max-parallel", "2"], cwd=workdir, timeout=900)
+    run_normlab(["sweep", str(workdir / "demo.yaml"), "--max_parallel", "2"], cwd=workdir, timeout=900)
     root = workdir / "runs" / "demo"
     state = json.loads((root / "sweep.json").read_text())
     assert {(r["cell"], r["seed"]): r["status"] for r in state["runs"]} == {
@@ -162,7 +162,7 @@ def test_compare_group_by_prints_the_reports_tables(sweep, tmp_path, capsys):
 
     report = write_report(sweep, tmp_path / "report").read_text()
     dirs = [str(sweep / c / f"s{s}") for c, _, s in RUNS]  # the diverged ones too (their own record says so)
-    assert main(["compare", *dirs, "--group-by", "model.placement", "optim.lr", "--baseline", BASELINE,
+    assert main(["compare", *dirs, "--group_by", "model.placement", "optim.lr", "--baseline", BASELINE,
                  "--margin", "0.05", "--plot", str(tmp_path / "c.png")]) == 0
     printed = capsys.readouterr().out
     for title in ("Cells", "Against the baseline", "Learning rate"):

@@ -11,11 +11,11 @@ its TensorBoard event files and newest checkpoint manifest:
 - `resid growth`: RMS of the stream entering the final norm (else the last block) over the RMS entering block 0.
 Writes a plot of `train/loss` (and the metric, dashed) against tokens for all runs (`--plot`, PNG).
 
-`--group-by KEY...` (config keys, e.g. `model.placement optim.lr`) instead groups the runs into cells by those
+`--group_by KEY...` (config keys, e.g. `model.placement optim.lr`) instead groups the runs into cells by those
 keys, takes `seed_everything` as the replicate, and prints the sweep report's tables (training/sweep/report.py,
 the same code): per cell the seeds, outcomes and the final metric's mean ± sd and 95% interval; with
 `--baseline CELL` the paired differences, Holm-corrected verdicts against `--margin`; with an LR key among the
-groups (`--lr-key`, default `optim.lr`), each group's best LR and LR sensitivity. How to read them:
+groups (`--lr_key`, default `optim.lr`), each group's best LR and LR sensitivity. How to read them:
 docs/sweep-report.md.
 """
 from __future__ import annotations
@@ -39,7 +39,7 @@ from training.sweep.state import RUN_RECORD  # what `normlab sweep` records of a
 log = logging.getLogger(__name__)
 
 IGNORED_KEYS = ("name", "trainer.default_root_dir", "ckpt_path")  # differ between any two runs, by design
-SEED_KEY = "seed_everything"  # the replicate key of `--group-by`
+SEED_KEY = "seed_everything"  # the replicate key of `--group_by`
 
 
 def _last(scalars: dict[str, list], tag: str) -> float | None:
@@ -145,7 +145,7 @@ def group(runs: list[dict[str, Any]], keys: list[str], metric: str) -> list[RunR
         for key in keys:
             if key not in run["config"]:
                 near = difflib.get_close_matches(key, list(run["config"]), n=3)
-                raise UserError(f"--group-by {key}: no such key in '{run['dir'] / 'config.yaml'}'"
+                raise UserError(f"--group_by {key}: no such key in '{run['dir'] / 'config.yaml'}'"
                                 + (f"; did you mean {' or '.join(near)}?" if near else ""))
         params = {k: run["config"][k] for k in keys}
         cell = ",".join(f"{k.rsplit('.', 1)[-1]}={v}" for k, v in params.items())
@@ -159,7 +159,7 @@ def group(runs: list[dict[str, Any]], keys: list[str], metric: str) -> list[RunR
 
 
 def grouped(runs: list[dict[str, Any]], args: argparse.Namespace) -> str:
-    """The sweep report's tables for the runs grouped by `--group-by`."""
+    """The sweep report's tables for the runs grouped by `--group_by`."""
     from training.sweep.report import check, tables
 
     results = group(runs, args.group_by, args.metric)
@@ -181,11 +181,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--metric", default="val/loss", help="the scalar tag compared (any TensorBoard tag, e.g. eval/...)")
     ap.add_argument("--last", type=int, default=3, help="metric / throughput points the spread and mean use")
     ap.add_argument("--plot", type=Path, default=Path("compare.png"), help="where the loss-vs-tokens plot goes")
-    ap.add_argument("--group-by", nargs="+", metavar="KEY", help="config keys that make a cell (seeds replicate)")
-    ap.add_argument("--mode", choices=("min", "max"), default="min", help="with --group-by: which way is better")
-    ap.add_argument("--baseline", help="with --group-by: the cell the others are compared with (as printed)")
+    ap.add_argument("--group_by", nargs="+", metavar="KEY", help="config keys that make a cell (seeds replicate)")
+    ap.add_argument("--mode", choices=("min", "max"), default="min", help="with --group_by: which way is better")
+    ap.add_argument("--baseline", help="with --group_by: the cell the others are compared with (as printed)")
     ap.add_argument("--margin", type=float, help="with --baseline: the equivalence margin (in the metric's units)")
-    ap.add_argument("--lr-key", default="optim.lr", help="with --group-by: the learning-rate key, if grouped by")
+    ap.add_argument("--lr_key", default="optim.lr", help="with --group_by: the learning-rate key, if grouped by")
     args = ap.parse_args(argv)
     try:
         if args.last < 1:
@@ -193,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.margin is not None and not args.margin > 0:
             raise UserError(f"--margin {args.margin}: must be > 0 (the smallest difference that matters)")
         if (args.baseline or args.margin is not None) and not args.group_by:
-            raise UserError("--baseline and --margin compare cells: give --group-by KEY... too")
+            raise UserError("--baseline and --margin compare cells: give --group_by KEY... too")
         runs = [read_run(path) for path in args.runs]
         if args.group_by:
             text = grouped(runs, args)

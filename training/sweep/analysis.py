@@ -1,7 +1,7 @@
 """A sweep's statistics from its runs' results (training/sweep/results.py): per cell, each cell against the
 baseline (paired over seeds, Holm across cells), and per learning-rate group (best LR, LR sensitivity).
 
-One implementation for the sweep's report and `normlab compare --group-by`; the tests live in
+One implementation for the sweep's report and `normlab compare --group_by`; the tests live in
 tests/test_stats.py (the statistics) and tests/test_sweep_report.py (on real runs).
 """
 from __future__ import annotations

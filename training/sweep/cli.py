@@ -1,8 +1,8 @@
 """`normlab sweep SPEC.yaml`: train every cell × seed of a spec (training/sweep/spec.py) as ordinary fit runs.
 
-    normlab sweep SPEC.yaml                    train what is not finished, locally (--max-parallel N at once)
+    normlab sweep SPEC.yaml                    train what is not finished, locally (--max_parallel N at once)
     normlab sweep SPEC.yaml --executor slurm   submit it as one Slurm job array (--wait to follow it)
-    normlab sweep SPEC.yaml --dry-run          list every run and its exact fit command
+    normlab sweep SPEC.yaml --dry_run          list every run and its exact fit command
     normlab sweep SPEC.yaml --status           each run's state, step and metric
     normlab sweep SPEC.yaml --report           the statistics report (training/sweep/report.py)
 """
@@ -26,12 +26,12 @@ def parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter, exit_on_error=False)
     p.add_argument("spec", help="the sweep spec (YAML)")
     what = p.add_mutually_exclusive_group()
-    what.add_argument("--dry-run", action="store_true", help="list the runs and their fit commands; start nothing")
+    what.add_argument("--dry_run", action="store_true", help="list the runs and their fit commands; start nothing")
     what.add_argument("--status", action="store_true", help="show each run's state, step and metric")
     what.add_argument("--report", action="store_true", help="write the statistics report of the sweep")
     p.add_argument("--executor", choices=("local", "slurm"), default="local",
                    help="local (default): subprocesses on this machine; slurm: one job array")
-    p.add_argument("--max-parallel", type=int, default=1,
+    p.add_argument("--max_parallel", type=int, default=1,
                    help="local: runs at once, each on its own share of the CPUs/GPUs (default 1); "
                         "slurm: the array's concurrency limit (default: the spec's slurm.max_parallel)")
     p.add_argument("--wait", action="store_true", help="slurm: wait until the array has ended, then show --status")

@@ -47,8 +47,8 @@ def slots(max_parallel: int) -> list[dict[str, Any]]:
     gpus = visible_gpus()
     if gpus:
         if max_parallel > len(gpus):
-            raise UserError(f"--max-parallel {max_parallel} needs at least as many GPUs; {len(gpus)} are visible "
-                            f"({','.join(gpus)}): lower --max-parallel")
+            raise UserError(f"--max_parallel {max_parallel} needs at least as many GPUs; {len(gpus)} are visible "
+                            f"({','.join(gpus)}): lower --max_parallel")
         per = len(gpus) // max_parallel
         return [{"env": {"CUDA_VISIBLE_DEVICES": ",".join(gpus[i * per:(i + 1) * per])}, "cpus": None}
                 for i in range(max_parallel)]
@@ -63,7 +63,7 @@ def slots(max_parallel: int) -> list[dict[str, Any]]:
 class LocalExecutor:
     def __init__(self, spec: Spec, max_parallel: int, on_change: Callable[[], None]) -> None:
         if max_parallel < 1:
-            raise UserError(f"--max-parallel {max_parallel} must be >= 1")
+            raise UserError(f"--max_parallel {max_parallel} must be >= 1")
         self.spec, self.on_change = spec, on_change
         self.slots = slots(max_parallel)
         self.stopping = threading.Event()

@@ -2,7 +2,7 @@
 events — report.md, runs.csv (every run's numbers) and the plots, written atomically into `<sweep>/report/`.
 
 How to read it, and the statistics behind each column: docs/sweep-report.md. The tables are also what
-`normlab compare --group-by` prints (training/compare.py).
+`normlab compare --group_by` prints (training/compare.py).
 """
 from __future__ import annotations
 
@@ -198,7 +198,7 @@ def check(results: Sequence[RunResult], sweep: dict[str, Any], where: str = "") 
 
 def tables(sweep: dict[str, Any], results: Sequence[RunResult], root: Path | None = None) -> list[str]:
     """The report's body (Markdown lines): definitions, cells, comparisons with the baseline, the LR groups and
-    the runs not included — also what `normlab compare --group-by` prints."""
+    the runs not included — also what `normlab compare --group_by` prints."""
     metric, mode, baseline, margin = sweep["metric"], sweep["mode"], sweep.get("baseline"), sweep.get("margin")
     cells = cells_of(results)
     lines = []

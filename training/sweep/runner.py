@@ -63,7 +63,7 @@ def status_table(spec: Spec, runs: list[Run]) -> str:
 
 
 def dry_run(spec: Spec, runs: list[Run]) -> str:
-    """`--dry-run`: each run, its state and its exact command; nothing is started or written."""
+    """`--dry_run`: each run, its state and its exact command; nothing is started or written."""
     import shlex
 
     lines = [f"sweep {spec.name}: {len(runs)} runs ({len(spec.cells())} cells x {len(spec.seeds)} seeds) in "

@@ -22,7 +22,8 @@ from typing import Any
 import numpy as np
 import yaml
 
-from training.checkpointing.layout import complete_checkpoints, read_manifest
+from training.checkpointing.layout import complete_checkpoints
+from training.checkpointing.manifest import Manifest
 
 log = logging.getLogger(__name__)
 
@@ -54,13 +55,13 @@ def read_run(run_dir: Path) -> dict[str, Any]:
     scalars = {tag: sorted({e.step: e.value for e in acc.Scalars(tag)}.items()) for tag in acc.Tags()["scalars"]}
     found = complete_checkpoints(run_dir)
     return {"dir": run_dir, "config": _flatten(yaml.safe_load((run_dir / "config.yaml").read_text()) or {}),
-            "scalars": scalars, "manifest": read_manifest(found[-1]) if found else None}
+            "scalars": scalars, "manifest": Manifest.read(found[-1]) if found else None}
 
 
 def tokens_per_step(run: dict[str, Any]) -> float:
     manifest, config = run["manifest"], run["config"]
-    if manifest and manifest.get("tokens_seen") and manifest.get("step"):
-        return manifest["tokens_seen"] / manifest["step"]
+    if manifest and manifest.tokens_seen and manifest.step:
+        return manifest.tokens_seen / manifest.step
     devices = config.get("trainer.devices")
     world = (devices if isinstance(devices, int) else 1) * (config.get("trainer.num_nodes") or 1)
     return float(config.get("data.batch_size") or 0) * (config.get("data.seq_len") or 0) * world * (
@@ -76,7 +77,8 @@ def summary(run: dict[str, Any], last: int) -> dict[str, Any]:
     val = [v for _, v in s.get("val/loss", [])]
     bpb = _last(s, "val/bpb") if "val/bpb" in s else _last(s, "eval/val/bpb")
     steps = max((points[-1][0] for tag, points in s.items() if tag.startswith("train/")), default=0)
-    tokens = (run["manifest"] or {}).get("tokens_seen") if (run["manifest"] or {}).get("step") == steps else None
+    manifest = run["manifest"]
+    tokens = manifest.tokens_seen if manifest and manifest.step == steps else None
     layers = sorted((int(m.group(1)), tag) for tag in s if (m := re.fullmatch(r"resid/rms/L(\d+)", tag)))
     growth = None
     if layers:

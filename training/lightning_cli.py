@@ -21,6 +21,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Optional
 
+from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ProgressBar
@@ -33,6 +34,8 @@ from training import compat
 from training.callbacks import NonFiniteGuard, RNGState, StepCheckpoint, Throughput, TrainingHealth
 from training.callbacks.progress import step_counting
 from training.checkpointing import branch, layout, resume
+from training.checkpointing.manifest import Manifest
+from training.checkpointing.safe import SafeCheckpointIO
 from training.cli import LIGHTNING_SUBCOMMANDS
 from training.errors import UserError, is_user_error
 from training.lit_module import lit_lm
@@ -132,7 +135,7 @@ class NormlabCLI(LightningCLI):
                             "resume that branch once it has checkpoints)")
         own = layout.complete_checkpoints(root) if config.ckpt_path == "last" else []
         if own:
-            branch.check_lineage(config.branch_from, layout.read_manifest(own[-1]), root)
+            branch.check_lineage(config.branch_from, Manifest.read(own[-1]), root)
             return None
         return branch.resolve_parent(config.branch_from)
 
@@ -166,6 +169,8 @@ class NormlabCLI(LightningCLI):
         ckpt_path = self.config[self.subcommand].ckpt_path
         if ckpt_path:
             resume.check_format(ckpt_path, is_deepspeed(self.trainer.strategy))
+            if type(self.trainer.strategy.checkpoint_io) is TorchCheckpointIO:  # (a user's own IO plugin is kept)
+                self.trainer.strategy.checkpoint_io = SafeCheckpointIO()  # reads model.ckpt weights-only
         if Path(self.datamodule.path).resolve() != Path(DEFAULT_OUTPUT).resolve():  # (that one is built on use)
             _ = self.datamodule.meta  # a DataError naming the path and the `normlab prepare` command
 
@@ -191,7 +196,7 @@ class NormlabCLI(LightningCLI):
             # with the --ckpt_path given, not the parent's path (`fit` itself gets that from config_init).
             config.ckpt_path = self._requested_ckpt_path
         elif load and (layout.ckpt_dir_of(load) / layout.MANIFEST).is_file():  # resumed: keep its record
-            lineage = layout.read_manifest(layout.ckpt_dir_of(load)).get(branch.MANIFEST_KEY)
+            lineage = Manifest.read(layout.ckpt_dir_of(load)).branched_from
         else:
             lineage = None
         text = compat.cli_parser(self).dump(config, skip_unset=False)  # nulls too: a complete record

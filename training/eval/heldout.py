@@ -25,8 +25,8 @@ from tqdm import tqdm
 from data.dataset import gather, val_starts
 from data.layout import load_tokenizer, open_tokens, read_meta
 from data.tokenizer import sha256_file
-from training.checkpointing.layout import MANIFEST, read_manifest
 from training.checkpointing.load import CheckpointError, load_checkpoint
+from training.checkpointing.manifest import MANIFEST, Manifest
 
 log = logging.getLogger(__name__)
 
@@ -133,7 +133,7 @@ def checkpoint_tokenizer_sha256(checkpoint: str | Path, loaded_tokenizer: Path |
     """The sha256 of the tokenizer a checkpoint was trained with: its manifest's record, else the file's."""
     manifest = Path(checkpoint) / MANIFEST
     if manifest.is_file():
-        recorded = read_manifest(Path(checkpoint)).get("tokenizer_hash")
+        recorded = Manifest.read(checkpoint).tokenizer_hash
         if recorded:
             return recorded
     if loaded_tokenizer is not None and loaded_tokenizer.is_file():

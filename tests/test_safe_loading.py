@@ -60,8 +60,10 @@ def reseal(ckpt_dir: Path) -> None:
 
 
 def plant(file: Path, marker: Path) -> None:
-    """Add the payload to a checkpoint file (normlab's own, so loading it whole here is safe)."""
-    state = torch.load(file, map_location="cpu", weights_only=False)
+    """Add the payload to a checkpoint file (normlab's own: it loads weights-only)."""
+    from training.checkpointing.safe import safe_torch_load
+
+    state = safe_torch_load(file)
     state["payload"] = Payload(marker)
     torch.save(state, file)
 
@@ -231,7 +233,9 @@ def flip_tensor_byte(file: Path) -> None:
 def test_a_flipped_byte_is_refused_by_its_hash(kind, shard, runs, tmp_path, capsys):
     copy = Path(shutil.copytree(step_dir(runs[kind]), tmp_path / "step-00000002"))
     flip_tensor_byte(copy / shard)
-    torch.load(copy / shard, map_location="cpu", weights_only=False)  # still a readable file: only the hash tells
+    from training.checkpointing.safe import safe_torch_load
+
+    safe_torch_load(copy / shard)  # still a readable checkpoint file: only the hash tells
     rc, output = normlab_inprocess(["evaluate", "--checkpoint", str(copy)], capsys)
     assert rc == 2 and f"'{shard}' was altered after it was saved" in output, output[-3000:]
     from training.checkpointing.branch import resolve_parent

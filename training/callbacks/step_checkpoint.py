@@ -284,4 +284,4 @@ class StepCheckpoint(Callback):
             files=file_sizes(ckpt_dir),
             sha256=hash_files(ckpt_dir, digests),
         )
-        manifest.write(ckpt_dir)  # last: marks complete
+        write_text_atomic(ckpt_dir / MANIFEST, manifest.to_json())  # last: marks complete

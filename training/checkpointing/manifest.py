@@ -90,9 +90,12 @@ class Manifest:
             raise CheckpointError(f"corrupt manifest '{path}' ({err}): move {Path(ckpt_dir).name} out of the "
                                   "checkpoints directory and resume from the previous checkpoint") from err
 
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2) + "\n"
+
     def write(self, ckpt_dir: str | Path) -> None:
         """Atomically (temporary file, fsync, rename): the manifest marks its directory complete."""
-        write_text_atomic(Path(ckpt_dir) / MANIFEST, json.dumps(self.to_dict(), indent=2) + "\n")
+        write_text_atomic(Path(ckpt_dir) / MANIFEST, self.to_json())
 
 
 def hash_file(path: str | Path) -> str:

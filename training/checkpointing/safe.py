@@ -14,7 +14,7 @@ Three entry points:
 - `safe_torch_load(path)`: normlab's own reads (evaluate, export, generate, the run history, Lightning's
   checkpoint IO via `SafeCheckpointIO`, a future `fit --init_from`);
 - `no_code_from_checkpoints()`: DeepSpeed reads its checkpoints at some twenty call sites that all pass
-  `torch.load(..., weights_only=False)` — its checkpoint engine, but also zero_to_fp32, the universal loader
+  `weights_only=False` to `torch.load` — its checkpoint engine, but also zero_to_fp32, the universal loader
   and ds_to_universal, which bypass the engine — so inside this context `torch.load` itself reads weights-only
   (catalogued in training/compat.py). It is entered only around DeepSpeed's checkpoint reads.
 """
@@ -98,7 +98,7 @@ def _load(load: Callable[..., Any], f: Any, *args: Any, **kwargs: Any) -> Any:
 
 
 def safe_torch_load(path: str | Path, map_location: Any = "cpu", mmap: bool = False) -> Any:
-    """`torch.load(path)` that runs no code from the file: a refused type, or a file that is not a readable
+    """`torch.load` of `path` that runs no code from the file: a refused type, or a file that is not a readable
     checkpoint, is a CheckpointError naming it."""
     try:
         return _load(torch.load, str(path), map_location=map_location, mmap=mmap)

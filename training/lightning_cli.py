@@ -35,7 +35,7 @@ from training.callbacks import NonFiniteGuard, RNGState, StepCheckpoint, Through
 from training.callbacks.progress import step_counting
 from training.checkpointing import branch, layout, resume
 from training.checkpointing.manifest import Manifest
-from training.checkpointing.safe import SafeCheckpointIO
+from training.checkpointing.safe import SafeCheckpointIO, no_code_from_checkpoints
 from training.cli import LIGHTNING_SUBCOMMANDS
 from training.errors import UserError, is_user_error
 from training.lit_module import lit_lm
@@ -79,6 +79,13 @@ class NormlabCLI(LightningCLI):
                            **{sub: {"default_config_files": [str(DEFAULT_CONFIG)]} for sub in LIGHTNING_SUBCOMMANDS}},
             args=args,
         )
+
+    def _parse_ckpt_path(self) -> None:
+        # LightningCLI reads a `--ckpt_path` file's hyper-parameters while parsing (weights-only, but a refused
+        # file would be a traceback): the guard turns a refusal into normlab's one-line error.
+        compat.require("lightning.pytorch.cli:LightningCLI._parse_ckpt_path")
+        with no_code_from_checkpoints():
+            super()._parse_ckpt_path()
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.add_argument("--name", type=str, default="default",

@@ -5,7 +5,8 @@ Real checkpoints of every kind normlab writes — a single-process `model.ckpt` 
 shards, built once for the module — get a crafted object whose unpickling runs `touch MARKER` (what a malicious
 checkpoint does with `os.system`); the manifest's sizes and sha256 are then updated to match, so only the
 unpickling guard can stop it. Every command that reads a checkpoint must refuse it with one line, and the
-marker must never appear. The module takes ~4-6 minutes on 2 busy cores, mostly process start-up.
+marker must never appear. The module builds 4 runs and starts ~12 normlab processes (7 of them 2-rank): 35 min
+measured on the shared 2-core box at load average ~25, almost all of it process start-up.
 """
 from __future__ import annotations
 

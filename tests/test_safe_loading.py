@@ -62,6 +62,8 @@ def reseal(ckpt_dir: Path) -> None:
 
 def plant(file: Path, marker: Path) -> None:
     """Add the payload to a checkpoint file (normlab's own: it loads weights-only)."""
+    import deepspeed  # noqa: F401 (a shard's DeepSpeed types are allowed once DeepSpeed is imported, as it reads them)
+
     from training.checkpointing.safe import safe_torch_load
 
     state = safe_torch_load(file)
@@ -202,6 +204,8 @@ def test_deepspeeds_own_readers_are_weights_only(crafted):
 def test_allow_list_is_exactly_what_real_checkpoints_need(runs, tmp_path):
     """Every type in the allow-list is stored by a real checkpoint (ZeRO-1/2/3 shards, model.ckpt, the universal
     cache), and every file of them loads weights-only with it."""
+    import deepspeed  # noqa: F401 (as when DeepSpeed reads its shards)
+
     from training.checkpointing.safe import _allowed, safe_torch_load
     from training.strategy import to_universal
 

@@ -37,7 +37,11 @@ from training.checkpointing.manifest import CheckpointError
 
 def _allowed() -> list[Any]:
     """The non-tensor classes normlab's checkpoints hold, each needed by a real checkpoint (found by loading one
-    of every ZeRO stage, a Lightning file and a universal cache with weights_only=True and nothing allowed)."""
+    of every ZeRO stage, a Lightning file and a universal cache with weights_only=True and nothing allowed).
+    Only DeepSpeed's shards store them, and every DeepSpeed reader imports DeepSpeed first: without it imported,
+    nothing is allowed (and a Lightning file's read does not import DeepSpeed, whose import prints a warning)."""
+    if "deepspeed" not in sys.modules:
+        return []
     from deepspeed.runtime.fp16.loss_scaler import LossScaler
     from deepspeed.runtime.zero.config import ZeroStageEnum
     from deepspeed.utils.tensor_fragment import fragment_address
@@ -70,6 +74,8 @@ def refuse_code(ckpt_dir: Path) -> None:
     """Refuse `ckpt_dir` if any of its pickled files (DeepSpeed shards, model.ckpt, the universal cache) names a
     type outside the allow-list: one UnsafeCheckpointError naming the file and the type. Reads only each file's
     pickle record, never its tensors, and unpickles nothing."""
+    if (Path(ckpt_dir) / "latest").is_file():  # a DeepSpeed directory: its shards' types are allowed (see _allowed)
+        import deepspeed  # noqa: F401
     for path in sorted(p for p in Path(ckpt_dir).rglob("*") if p.suffix in (".pt", ".ckpt") and p.is_file()):
         with allowed_types():
             try:

@@ -51,7 +51,8 @@ def summary(run: dict[str, Any], last: int, metric: str = "val/loss") -> dict[st
     val = [v for _, v in s.get(metric, [])]
     bpb = _last(s, "val/bpb") if "val/bpb" in s else _last(s, "eval/val/bpb")
     steps = max((points[-1][0] for tag, points in s.items() if tag.startswith("train/")), default=0)
-    tokens = (run["manifest"] or {}).get("tokens_seen") if (run["manifest"] or {}).get("step") == steps else None
+    manifest = run["manifest"]
+    tokens = manifest.tokens_seen if manifest and manifest.step == steps else None
     layers = sorted((int(m.group(1)), tag) for tag in s if (m := re.fullmatch(r"resid/rms/L(\d+)", tag)))
     growth = None
     if layers:

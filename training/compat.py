@@ -95,6 +95,13 @@ PATCHES: dict[str, Patch] = {p.target: p for p in [
     Patch("lightning.pytorch.loops.training_epoch_loop:_TrainingEpochLoop.max_steps",
           "StepCheckpoint lowers it to the current step after an agreed stop signal: the fit ends after this step, "
           "as at max_steps (trainer.should_stop would run one more validation first)", "lightning", LIGHTNING),
+    Patch("torch:load",
+          "DeepSpeed reads checkpoints with torch.load, passing weights_only=False, at ~20 call sites, several "
+          "bypassing its checkpoint engine (zero_to_fp32, the universal loader, ds_to_universal): around those reads "
+          "only, torch.load is made weights-only (training/checkpointing/safe.py)", "torch", ">=2.6"),
+    Patch("lightning.pytorch.cli:LightningCLI._parse_ckpt_path",
+          "it loads a --ckpt_path file while parsing: NormlabCLI runs it inside safe.no_code_from_checkpoints, so a "
+          "refused file is one line, not a traceback", "lightning", LIGHTNING),
 ]}
 
 

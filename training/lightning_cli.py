@@ -24,6 +24,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal, Optional
 
+from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import ProgressBar
@@ -31,12 +32,15 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveCon
 
 from data.datamodule import TokenDataModule
 from data.prepare import DEFAULT_OUTPUT
+from training import compat
 from training.callbacks import NonFiniteGuard, RNGState, StepCheckpoint, Throughput, TrainingHealth
 from training.callbacks.downstream import DownstreamEval
 from training.callbacks.progress import step_counting
 from training.callbacks.summary import log_closing_lines, with_norm_summary
 from training.checkpointing import branch, init_from, layout, resume
+from training.checkpointing.manifest import Manifest
 from training.checkpointing.plan import RunPlan, plan
+from training.checkpointing.safe import SafeCheckpointIO, no_code_from_checkpoints
 from training.errors import UserError, is_user_error
 from training.lit_module import lit_lm
 from training.loggers import LOGGERS, RecordLoggerRuns, run_loggers
@@ -71,6 +75,13 @@ class NormlabCLI(LightningCLI):
                            **{sub: {"default_config_files": [str(DEFAULT_CONFIG)]} for sub in LIGHTNING_SUBCOMMANDS}},
             args=args,
         )
+
+    def _parse_ckpt_path(self) -> None:
+        # LightningCLI reads a `--ckpt_path` file's hyper-parameters while parsing (weights-only, but a refused
+        # file would be a traceback): the guard turns a refusal into normlab's one-line error.
+        compat.require("lightning.pytorch.cli:LightningCLI._parse_ckpt_path")
+        with no_code_from_checkpoints():
+            super()._parse_ckpt_path()
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.add_argument("--name", type=str, default="default",
@@ -154,6 +165,8 @@ class NormlabCLI(LightningCLI):
         writes anything into the run directory (a failed start leaves no stray run behind)."""
         if self.plan.load_path:
             resume.check_format(self.plan.load_path, is_deepspeed(self.trainer.strategy))
+            if type(self.trainer.strategy.checkpoint_io) is TorchCheckpointIO:  # (a user's own IO plugin is kept)
+                self.trainer.strategy.checkpoint_io = SafeCheckpointIO()  # reads model.ckpt weights-only
         if is_deepspeed(self.trainer.strategy):
             # DeepSpeed's sample counters read the micro-batch size (it does not change the math). Lightning would
             # take it from the loader's batch_sampler, which normlab's loaders (whole batches) do not have; the
@@ -180,7 +193,7 @@ class NormlabCLI(LightningCLI):
         if self.plan.parent is None and self.plan.load_path:
             ckpt_dir = layout.ckpt_dir_of(self.plan.load_path)
             if (ckpt_dir / layout.MANIFEST).is_file():
-                source = layout.read_manifest(ckpt_dir).get(init_from.MANIFEST_KEY)
+                source = Manifest.read(ckpt_dir).init_from
         elif self.plan.parent is None and self._init_source is not None:
             source = init_from.attach(self.model, self.trainer, self.datamodule, self._init_source)
         for callback in self.trainer.callbacks:

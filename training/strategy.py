@@ -23,6 +23,9 @@ would then compute something else than its one-GPU pilot. So `DeepSpeed` writes 
 section instead (no module's gradients reduced in the low dtype: `lower_precision_safe_modules: []`). A config
 that sets `bf16`, `fp16` or `torch_autocast` itself is used as written. `precision_record` is what the
 checkpoint manifest records.
+
+Every DeepSpeed read of a checkpoint here (the engine's loader, the universal conversion and load, the ZeRO-3
+consolidation) runs weights-only: no code from a checkpoint runs (training/checkpointing/safe.py).
 """
 from __future__ import annotations
 
@@ -42,8 +45,9 @@ from lightning.pytorch.accelerators import CUDAAccelerator
 from lightning.pytorch.strategies import DeepSpeedStrategy, Strategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 
-from training.checkpointing.layout import MANIFEST, CheckpointError, read_manifest
 from training.checkpointing.load import deepspeed_state_dict
+from training.checkpointing.manifest import MANIFEST, CheckpointError, Manifest
+from training.checkpointing.safe import UnsafeCheckpointError, no_code_from_checkpoints
 from training.compat import (
     DeepSpeedStrategyPatches,
     load_universal_checkpoint,
@@ -93,11 +97,15 @@ class DeepSpeed(DeepSpeedStrategyPatches):
         super().setup_environment()
 
     def load_checkpoint(self, checkpoint_path: str | Path, weights_only: bool | None = None) -> dict[str, Any]:
+        with no_code_from_checkpoints():  # DeepSpeed's readers ask torch.load for weights_only=False
+            return self._load_checkpoint(checkpoint_path, weights_only)
+
+    def _load_checkpoint(self, checkpoint_path: str | Path, weights_only: bool | None) -> dict[str, Any]:
         manifest_file = Path(checkpoint_path) / MANIFEST
         fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
         if not fitting and self.zero_stage_3 and Path(checkpoint_path).is_dir():
             return self._load_zero3_weights_for_inference(Path(checkpoint_path))
-        saved_world = read_manifest(checkpoint_path).get("world_size") if manifest_file.is_file() else None
+        saved_world = Manifest.read(checkpoint_path).world_size if manifest_file.is_file() else None
         if saved_world in (None, self.world_size) or not fitting:
             # (validate/test under ZeRO-1/2: Lightning's inference engine is not sharded and reads the whole
             # weights, whatever world size wrote them)
@@ -144,10 +152,10 @@ class DeepSpeed(DeepSpeedStrategyPatches):
             try:
                 result = fn()
             except Exception as err:  # any failure must reach the other ranks
-                error = str(err)
+                error = (isinstance(err, CheckpointError), str(err))
         error = self.broadcast(error)
-        if error is not None:
-            raise RuntimeError(error)
+        if error is not None:  # a refused checkpoint stays a one-line CheckpointError on every rank
+            raise (CheckpointError if error[0] else RuntimeError)(error[1])
         return result
 
     def backward(self, closure_loss: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
@@ -201,11 +209,15 @@ def to_universal(ckpt_dir: Path) -> None:
     tag = (ckpt_dir / "latest").read_text().strip()
     tmp = ckpt_dir / f".tmp-{UNIVERSAL_TAG}"
     shutil.rmtree(tmp, ignore_errors=True)  # our own leftover from an interrupted conversion
-    # A subprocess: the converter parses its own argv, and its pickled loads stay out of this process.
-    proc = subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
+    # A subprocess: the converter parses its own argv; it reads the shards weights-only (safe.py's entry point).
+    proc = subprocess.run([sys.executable, "-m", "training.checkpointing.safe", "--input_folder",
                            str(ckpt_dir / tag), "--output_folder", str(tmp), "--inject_missing_state",
                            "--num_extract_workers", "1", "--num_merge_workers", "1"],
                           capture_output=True, text=True)
+    if proc.returncode != 0:
+        shutil.rmtree(tmp, ignore_errors=True)  # a refused or failed conversion leaves nothing behind
+    if proc.returncode != 0 and "refusing to load" in proc.stderr:  # a shard holds a type that could run code
+        raise UnsafeCheckpointError(proc.stderr.strip().splitlines()[-1].removeprefix("error: "))
     if proc.returncode != 0:
         raise RuntimeError(f"converting {ckpt_dir} to DeepSpeed's universal checkpoint failed; resume on the "
                            f"world size that wrote it:\n{(proc.stdout + proc.stderr)[-3000:]}")

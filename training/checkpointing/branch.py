@@ -28,20 +28,13 @@ from typing import Any
 
 from lightning.pytorch import Callback, LightningModule, Trainer
 
-from training.checkpointing.layout import (
-    LIGHTNING_FILE,
-    MANIFEST,
-    MODEL_CONFIG_FILE,
-    CheckpointError,
-    load_path,
-    read_manifest,
-    verify_files,
-)
+from training.checkpointing.layout import LIGHTNING_FILE, MODEL_CONFIG_FILE, load_path
+from training.checkpointing.manifest import MANIFEST, CheckpointError, Manifest, verify_files
 from training.optim import restart_schedule
 
 log = logging.getLogger(__name__)
 
-MANIFEST_KEY = "branched_from"
+MANIFEST_KEY = "branched_from"  # the Manifest field (and JSON key) recording a branch's parent
 
 
 @dataclass(frozen=True)
@@ -49,11 +42,11 @@ class Parent:
     """A complete normlab checkpoint directory that a branch starts from."""
 
     ckpt_dir: Path  # absolute
-    manifest: dict[str, Any]
+    manifest: Manifest
 
     @property
     def step(self) -> int:
-        return int(self.manifest["step"])
+        return self.manifest.step
 
     @property
     def load_path(self) -> str:
@@ -65,11 +58,11 @@ class Parent:
         m = self.manifest
         run_dir = self.ckpt_dir.parent.parent if self.ckpt_dir.parent.name == "checkpoints" else None
         record = {"checkpoint": str(self.ckpt_dir), "run_dir": str(run_dir) if run_dir else None,
-                  "step": self.step, "tokens_seen": m.get("tokens_seen"), "config_hash": m.get("config_hash"),
-                  "tokenizer_hash": m.get("tokenizer_hash"), "git_revision": m.get("git_revision"),
+                  "step": self.step, "tokens_seen": m.tokens_seen, "config_hash": m.config_hash,
+                  "tokenizer_hash": m.tokenizer_hash, "git_revision": m.git_revision,
                   "manifest_sha256": hashlib.sha256((self.ckpt_dir / MANIFEST).read_bytes()).hexdigest()}
-        if m.get(MANIFEST_KEY):
-            record[MANIFEST_KEY] = m[MANIFEST_KEY]
+        if m.branched_from:
+            record[MANIFEST_KEY] = m.branched_from
         return record
 
 
@@ -85,9 +78,9 @@ def resolve_parent(branch_from: str) -> Parent:
         raise CheckpointError(f"{where}: no {MANIFEST} there — an interrupted save, or not a normlab checkpoint "
                               "directory; branch from a complete step directory (<run>/checkpoints/step-XXXXXXXX, "
                               "e.g. an earlier one)")
-    manifest = read_manifest(path)
+    manifest = Manifest.read(path)
     verify_files(path, manifest)
-    for needed in (MODEL_CONFIG_FILE, *([] if manifest.get("format") == "deepspeed" else [LIGHTNING_FILE])):
+    for needed in (MODEL_CONFIG_FILE, *([] if manifest.deepspeed else [LIGHTNING_FILE])):
         if not (path / needed).is_file():
             raise CheckpointError(f"{where}: '{needed}' is missing, the checkpoint is incomplete; branch from "
                                   "another step directory")
@@ -100,11 +93,11 @@ def _step_dir(branch_from: str) -> Path:
     return path.parent if path.name == LIGHTNING_FILE else path
 
 
-def check_lineage(branch_from: str, resumed_manifest: dict[str, Any], run_dir: str | Path) -> None:
+def check_lineage(branch_from: str, resumed_manifest: Manifest, run_dir: str | Path) -> None:
     """`--branch_from X --ckpt_path last` on a branch that has checkpoints: they must have branched from X. Only the
     recorded path is compared: a resumed branch never reads its parent again, which may be gone by then (the
     trunk's `keep_last_n` rotation)."""
-    recorded = resumed_manifest.get(MANIFEST_KEY) or {}
+    recorded = resumed_manifest.branched_from or {}
     if recorded.get("checkpoint") != str(_step_dir(branch_from).resolve()):
         origin = f"branched from {recorded['checkpoint']}" if recorded else "is not a branch"
         raise CheckpointError(f"--branch_from {branch_from} --ckpt_path last: {run_dir} already holds checkpoints of "

@@ -4,11 +4,12 @@ Every checkpoint is a directory, whatever the strategy, so that one name means o
 - under DeepSpeed it is DeepSpeed's own sharded checkpoint directory (each rank writes its shards);
 - otherwise it holds Lightning's single file, `model.ckpt`.
 Beside the weights: `config.yaml` (the resolved CLI config), `model_config.json` (the exact `ModelConfig`) and
-`manifest.json` (step, tokens seen, format, world size, ZeRO stage, config and tokenizer hashes, versions, git
-revision, file sizes; a cooldown branch's parent under `branched_from`, see training/checkpointing/branch.py),
-written last: a directory is complete exactly when it has a manifest. `last` considers only complete
-directories; incomplete ones (interrupted saves) are moved to `checkpoints/incomplete/`, never deleted. Writing is
-`training/callbacks/step_checkpoint.py`; what a resume checks, `training/checkpointing/resume.py`.
+`manifest.json` (training/checkpointing/manifest.py: step, tokens seen, format, world size, ZeRO stage, config
+and tokenizer hashes, versions, git revision, every file's size and sha256; a cooldown branch's parent under
+`branched_from`, see training/checkpointing/branch.py), written last: a directory is complete exactly when it
+has a manifest. `last` considers only complete directories; incomplete ones (interrupted saves) are moved to
+`checkpoints/incomplete/`, never deleted. Writing is `training/callbacks/step_checkpoint.py`; what a resume
+checks, `training/checkpointing/resume.py`; how files are read without running code from them, `safe.py`.
 """
 from __future__ import annotations
 
@@ -24,23 +25,27 @@ from pathlib import Path
 from typing import Any
 
 from data.tokenizer import sha256_file
+from training.checkpointing.manifest import (  # re-exported: the layout's public names
+    MANIFEST,
+    CheckpointError,
+    Manifest,
+    file_sizes,
+    verify_files,
+    write_text_atomic,
+)
+
+__all__ = ["MANIFEST", "CheckpointError", "Manifest", "file_sizes", "verify_files", "write_text_atomic"]
 
 log = logging.getLogger(__name__)
 
 CHECKPOINTS_DIR = "checkpoints"
 INCOMPLETE_DIR = "incomplete"  # inside checkpoints/: interrupted saves, moved aside at the next fit
-MANIFEST = "manifest.json"
 CONFIG_FILE = "config.yaml"
 MODEL_CONFIG_FILE = "model_config.json"
 LIGHTNING_FILE = "model.ckpt"  # the checkpoint file inside the directory when not under DeepSpeed
 DEEPSPEED_TAG = "checkpoint"  # the tag Lightning's DeepSpeedStrategy saves under (named by the `latest` file)
 TMP_PREFIX = ".tmp-"
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that is missing, incomplete, unreadable or does not fit this run; the message names the path
-    and the fix."""
 
 
 def step_dirname(step: int) -> str:
@@ -52,15 +57,8 @@ def checkpoints_dir(run_dir: str | Path) -> Path:
 
 
 def read_manifest(ckpt_dir: str | Path) -> dict[str, Any]:
-    path = Path(ckpt_dir) / MANIFEST
-    try:
-        manifest = json.loads(path.read_text())
-        if not isinstance(manifest, dict) or not isinstance(manifest.get("step"), int):
-            raise ValueError("it has no integer 'step'")
-        return manifest
-    except (OSError, UnicodeDecodeError, ValueError) as err:  # JSONDecodeError is a ValueError
-        raise CheckpointError(f"corrupt manifest '{path}' ({err}): move {Path(ckpt_dir).name} out of the "
-                              "checkpoints directory and resume from the previous checkpoint") from err
+    """The manifest as plain JSON (for tools and tests; normlab's own readers use `Manifest.read`)."""
+    return Manifest.read(ckpt_dir).to_dict()
 
 
 def complete_checkpoints(run_dir: str | Path) -> list[Path]:
@@ -96,7 +94,7 @@ def move_aside(path: Path, reason: str) -> Path:
 
 def load_path(ckpt_dir: Path) -> Path:
     """What the strategy's loader takes: the directory itself for DeepSpeed, the file inside it otherwise."""
-    return ckpt_dir if read_manifest(ckpt_dir)["format"] == "deepspeed" else ckpt_dir / LIGHTNING_FILE
+    return ckpt_dir if Manifest.read(ckpt_dir).deepspeed else ckpt_dir / LIGHTNING_FILE
 
 
 def ckpt_dir_of(load_path: str | Path) -> Path:
@@ -135,7 +133,7 @@ def resolve(ckpt_path: str | None, run_dir: str | Path) -> tuple[str | None, int
                 raise CheckpointError(f"--ckpt_path {ckpt_path}: no {MANIFEST}, the save was interrupted; "
                                       "resume from an earlier checkpoint (or --ckpt_path last)")
             return ckpt_path, None
-    return str(load_path(ckpt_dir)), int(read_manifest(ckpt_dir)["step"])
+    return str(load_path(ckpt_dir)), Manifest.read(ckpt_dir).step
 
 
 def git_revision(repo: Path | None = None) -> str:
@@ -176,25 +174,6 @@ def versions() -> dict[str, str]:
     return out
 
 
-def file_sizes(ckpt_dir: Path) -> dict[str, int]:
-    """{relative path: bytes} of every file in a checkpoint directory but the manifest (recorded in it)."""
-    return {str(p.relative_to(ckpt_dir)): p.stat().st_size for p in sorted(ckpt_dir.rglob("*"))
-            if p.is_file() and p.name != MANIFEST}
-
-
-def verify_files(ckpt_dir: Path, manifest: dict[str, Any]) -> None:
-    """Every file the manifest lists is there with its size: a missing or truncated shard fails here, with its
-    name, instead of deep inside a loader."""
-    for rel, size in (manifest.get("files") or {}).items():
-        path = ckpt_dir / rel
-        if not path.is_file():
-            raise CheckpointError(f"checkpoint {ckpt_dir} is damaged: '{rel}' is missing; restore it or use an "
-                                  "earlier checkpoint")
-        if path.stat().st_size != size:
-            raise CheckpointError(f"checkpoint {ckpt_dir} is damaged: '{rel}' is truncated or altered "
-                                  f"({path.stat().st_size} bytes, {size} when saved); use an earlier checkpoint")
-
-
 def fsync_path(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -202,12 +181,3 @@ def fsync_path(path: Path) -> None:
     finally:
         os.close(fd)
 
-
-def write_text_atomic(path: Path, text: str) -> None:
-    """Write via a temporary file, fsync and rename, so a reader never sees half a file."""
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)

@@ -7,6 +7,10 @@ Accepted `path`s:
 - a Lightning `.ckpt` file, or a consolidated state dict (`.pt`/`.bin`/`.safetensors`) with `model_config.json`
   beside it;
 - an exported directory: Hugging Face (`config.json` + safetensors) or normlab's own `--format safetensors`.
+
+Nothing in a checkpoint is trusted: a step directory's files are checked against its manifest (sizes and sha256)
+before any is read, and every pickled file is read weights-only (training/checkpointing/safe.py), so no code
+from a checkpoint runs.
 """
 from __future__ import annotations
 
@@ -20,15 +24,9 @@ import torch
 import yaml
 
 from model import ModelConfig, Transformer
-from training.checkpointing.layout import (
-    CONFIG_FILE,
-    LIGHTNING_FILE,
-    MANIFEST,
-    MODEL_CONFIG_FILE,
-    CheckpointError,
-    read_manifest,
-    verify_files,
-)
+from training.checkpointing.layout import CONFIG_FILE, LIGHTNING_FILE, MODEL_CONFIG_FILE
+from training.checkpointing.manifest import MANIFEST, CheckpointError, Manifest, verify_files
+from training.checkpointing.safe import no_code_from_checkpoints, safe_torch_load
 
 log = logging.getLogger(__name__)
 
@@ -63,14 +61,6 @@ def _strip(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def _torch_load(path: Path) -> Any:
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as err:  # truncated zip, wrong file type, …
-        raise CheckpointError(f"cannot read '{path}': it is truncated or not a checkpoint ({err}); use another "
-                              "checkpoint, e.g. the previous step directory") from err
-
-
 def deepspeed_state_dict(ckpt_dir: Path) -> dict[str, torch.Tensor]:
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
@@ -78,8 +68,11 @@ def deepspeed_state_dict(ckpt_dir: Path) -> dict[str, torch.Tensor]:
     if not latest.is_file():
         raise CheckpointError(f"'{ckpt_dir}' has no DeepSpeed 'latest' file: the checkpoint is incomplete")
     try:
-        # Reads every rank's shards and merges them, whatever ZeRO stage and world size wrote them.
-        return get_fp32_state_dict_from_zero_checkpoint(str(ckpt_dir))
+        # Reads every rank's shards and merges them, whatever ZeRO stage and world size wrote them (weights-only).
+        with no_code_from_checkpoints():
+            return get_fp32_state_dict_from_zero_checkpoint(str(ckpt_dir))
+    except CheckpointError:
+        raise
     except Exception as err:
         raise CheckpointError(f"cannot consolidate the DeepSpeed checkpoint '{ckpt_dir}': a shard is missing or "
                               f"truncated ({type(err).__name__}: {err})") from err
@@ -128,21 +121,21 @@ def _build(config: dict[str, Any], state: dict[str, torch.Tensor], where: Path) 
 
 
 def _load_step_dir(ckpt_dir: Path) -> Loaded:
-    manifest = read_manifest(ckpt_dir)  # a corrupt manifest is a CheckpointError that says so
-    verify_files(ckpt_dir, manifest)
+    manifest = Manifest.read(ckpt_dir)  # a corrupt manifest is a CheckpointError that says so
+    verify_files(ckpt_dir, manifest)  # sizes and hashes, before anything is unpickled
     if not (ckpt_dir / MODEL_CONFIG_FILE).is_file():
         raise CheckpointError(f"'{ckpt_dir}' has no {MODEL_CONFIG_FILE}: it was not written by normlab")
     config = _read_json(ckpt_dir / MODEL_CONFIG_FILE)
-    if manifest.get("format") == "deepspeed":
+    if manifest.deepspeed:
         state = deepspeed_state_dict(ckpt_dir)
     else:
         file = ckpt_dir / LIGHTNING_FILE
         if not file.is_file():
             raise CheckpointError(f"'{file}' is missing: the checkpoint is incomplete")
-        state = _torch_load(file)["state_dict"]
+        state = safe_torch_load(file)["state_dict"]
     run_dir, run_config = _run_context(ckpt_dir)
-    return Loaded(_build(config, _strip(state), ckpt_dir), manifest.get("step"), run_dir, run_config,
-                  _tokenizer_of(run_config), f"checkpoint ({manifest.get('format')})")
+    return Loaded(_build(config, _strip(state), ckpt_dir), manifest.step, run_dir, run_config,
+                  _tokenizer_of(run_config), f"checkpoint ({manifest.format})")
 
 
 def _load_export_dir(path: Path) -> Loaded:
@@ -169,7 +162,7 @@ def _load_file(path: Path) -> Loaded:
 
         state = load_file(path)
     else:
-        loaded = _torch_load(path)
+        loaded = safe_torch_load(path)
         state = loaded.get("state_dict", loaded) if isinstance(loaded, dict) else None
         if state is None:
             raise CheckpointError(f"'{path}' holds no state dict")

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from training.checkpointing import branch, layout
+from training.checkpointing.manifest import Manifest
 from training.checkpointing.resume import check_fresh_run
 from training.errors import UserError
 
@@ -53,7 +54,7 @@ def plan(subcommand: str, ckpt_path: str | None, branch_from: str | None, run_di
         check_fresh_run(run_dir)
     lineage = None
     if load and (layout.ckpt_dir_of(load) / layout.MANIFEST).is_file():  # resumed: keep its record
-        lineage = layout.read_manifest(layout.ckpt_dir_of(load)).get(branch.MANIFEST_KEY)
+        lineage = Manifest.read(layout.ckpt_dir_of(load)).branched_from
     # TensorBoard: drop what a crashed run logged after its checkpoint (steps > the checkpoint's; see
     # LitLM._log_eval for the step convention); everything on a fresh start.
     return RunPlan(load, load, step, purge_step=step + 1 if step is not None else 0, lineage=lineage)
@@ -72,6 +73,6 @@ def _branch_parent(subcommand: str, ckpt_path: str | None, branch_from: str, run
                         "resume that branch once it has checkpoints)")
     own = layout.complete_checkpoints(run_dir) if ckpt_path == "last" else []
     if own:
-        branch.check_lineage(branch_from, layout.read_manifest(own[-1]), run_dir)
+        branch.check_lineage(branch_from, Manifest.read(own[-1]), run_dir)
         return None
     return branch.resolve_parent(branch_from)

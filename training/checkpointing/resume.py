@@ -3,8 +3,9 @@ each failure names the checkpoint and the fix.
 
 - a new run must not write over another run's checkpoints (`check_fresh_run`);
 - a DeepSpeed directory resumes under DeepSpeed, a Lightning file without it (`check_format`);
-- the checkpoint is whole (every file the manifest lists, at its size), and was written with this model config
-  and tokenizer (`check_resume`; `check_fits` for a branch, before `fit`);
+- the checkpoint is whole (every file the manifest lists, at its size and sha256), holds no pickled code
+  (training/checkpointing/safe.py), and was written with this model config and tokenizer (`check_resume`;
+  `check_fits` for a branch, before `fit`);
 - another gradient accumulation must continue on an update boundary (`check_accumulation`);
 - on another world size, its format must be able to reshard (`check_reshard`).
 """
@@ -17,15 +18,9 @@ from typing import Any
 
 from lightning.pytorch import LightningModule, Trainer
 
-from training.checkpointing.layout import (
-    MODEL_CONFIG_FILE,
-    CheckpointError,
-    complete_checkpoints,
-    config_hash,
-    file_hash,
-    read_manifest,
-    verify_files,
-)
+from training.checkpointing.layout import MODEL_CONFIG_FILE, complete_checkpoints, config_hash, file_hash
+from training.checkpointing.manifest import CheckpointError, Manifest, verify_files
+from training.checkpointing.safe import refuse_code
 
 log = logging.getLogger(__name__)
 
@@ -71,8 +66,9 @@ def check_fits(ckpt_dir: Path, model_config: dict[str, Any], tokenizer_path: Pat
     """The checkpoint at `ckpt_dir` can be loaded into a run with `model_config`, trained on the tokenizer at
     `tokenizer_path`, with `trainer`'s accumulation and world size. `action` ("resume", "branch from") names
     what is refused in the messages. (Needs only the trainer's settings: also usable before `fit`.)"""
-    manifest = read_manifest(ckpt_dir)
+    manifest = Manifest.read(ckpt_dir)
     verify_files(ckpt_dir, manifest)
+    refuse_code(ckpt_dir)  # every rank refuses the same file here, before any collective of the load
     config_file = ckpt_dir / MODEL_CONFIG_FILE
     if config_file.is_file():
         saved = _as_today(json.loads(config_file.read_text()))
@@ -84,38 +80,40 @@ def check_fits(ckpt_dir: Path, model_config: dict[str, Any], tokenizer_path: Pat
                    "Resume with the checkpoint's model config (see its model_config.json), or start a new run "
                    "with --name")
             raise CheckpointError(f"cannot {action} {ckpt_dir}: the model config changed ({diff}). {fix}")
-    saved_tok = manifest.get("tokenizer_hash")
+    saved_tok = manifest.tokenizer_hash
     current_tok = file_hash(tokenizer_path)
     if saved_tok and current_tok and saved_tok != current_tok:
         raise CheckpointError(f"cannot {action} {ckpt_dir}: the tokenizer differs from the one it was trained with "
                               f"({tokenizer_path} has another hash); use the run's --data.path")
     check_accumulation(ckpt_dir, manifest, trainer)
-    saved_world = manifest.get("world_size")
+    saved_world = manifest.world_size
     if saved_world is not None and saved_world != trainer.world_size:
         check_reshard(ckpt_dir, manifest, trainer)
 
 
-def check_accumulation(ckpt_dir: Path, manifest: dict[str, Any], trainer: Trainer) -> None:
+def check_accumulation(ckpt_dir: Path, manifest: Manifest | dict[str, Any], trainer: Trainer) -> None:
     """Another accumulate_grad_batches on resume works when the micro-batches already read are a whole number of
     the new updates: Lightning restores its micro-batch count and closes an update whenever that count is a
     multiple of accumulate_grad_batches (DeepSpeed counts its own from 0), so otherwise the first update would
     end early — and under DeepSpeed the two would disagree on every update after it."""
-    saved = manifest.get("accumulate_grad_batches")
+    manifest = _typed(manifest)
+    saved = manifest.accumulate_grad_batches
     if saved is None or saved == trainer.accumulate_grad_batches:
         return
-    done = manifest["step"] * saved
+    done = manifest.step * saved
     if done % trainer.accumulate_grad_batches:
         raise CheckpointError(
             f"cannot resume {ckpt_dir} with accumulate_grad_batches {trainer.accumulate_grad_batches}: it was saved "
-            f"after {done} micro-batches ({manifest['step']} updates of {saved}), not a whole number of updates of "
+            f"after {done} micro-batches ({manifest.step} updates of {saved}), not a whole number of updates of "
             f"{trainer.accumulate_grad_batches}. Use an accumulate_grad_batches that divides {done} (e.g. {saved}), "
             "or resume from another checkpoint")
 
 
-def check_reshard(ckpt_dir: Path, manifest: dict[str, Any], trainer: Trainer) -> None:
+def check_reshard(ckpt_dir: Path, manifest: Manifest | dict[str, Any], trainer: Trainer) -> None:
     """A world-size change on resume: which formats reshard, and what happens to the data position."""
-    saved_world, stage = manifest["world_size"], manifest.get("zero_stage")
-    if manifest.get("format") == "deepspeed" and stage not in (1, 2, 3):
+    manifest = _typed(manifest)
+    saved_world, stage = manifest.world_size, manifest.zero_stage
+    if manifest.deepspeed and stage not in (1, 2, 3):
         raise CheckpointError(
             f"cannot resume {ckpt_dir} (DeepSpeed ZeRO stage {stage}, {saved_world} ranks) on {trainer.world_size} "
             "ranks: only ZeRO-1/2/3 checkpoints convert to DeepSpeed's universal format. Resume on "
@@ -123,4 +121,9 @@ def check_reshard(ckpt_dir: Path, manifest: dict[str, Any], trainer: Trainer) ->
     if trainer.is_global_zero:
         log.warning("resuming %s, written by %d ranks, on %d ranks: optimizer state is resharded; the data goes on "
                     "after the %s tokens seen so far", ckpt_dir, saved_world, trainer.world_size,
-                    manifest.get("tokens_seen"))
+                    manifest.tokens_seen)
+
+
+def _typed(manifest: Manifest | dict[str, Any]) -> Manifest:
+    """(The checks also take a manifest's plain JSON, as tools and tests hold it.)"""
+    return manifest if isinstance(manifest, Manifest) else Manifest.from_dict(manifest)

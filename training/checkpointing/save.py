@@ -13,6 +13,10 @@ A rank whose file write fails does not raise at once: it would leave the other r
 save's remaining collectives. Its error is held until the save is over on every rank, then gathered, and every
 rank raises the same error, naming the rank and its cause. A full disk reads the same whichever writer hit it
 (`_write_error`): torch.save's zip writer reports it as a RuntimeError without an errno.
+
+The manifest records every file's size and sha256 (checked before any load, see checkpointing/manifest.py).
+Each rank hashes the shards it wrote right after writing them, while they are still in the page cache and in
+parallel across ranks; rank 0 hashes only the small files it writes itself.
 """
 from __future__ import annotations
 
@@ -48,6 +52,7 @@ from training.checkpointing.layout import (
     versions,
     write_text_atomic,
 )
+from training.checkpointing.manifest import Manifest, hash_file, hash_files
 from training.compat import hold_checkpoint_writes
 from training.distributed import gather_objects
 from training.strategy import is_deepspeed, precision_record
@@ -85,13 +90,15 @@ def save_step(trainer: Trainer, pl_module: LightningModule, record: RunRecord) -
     trainer.strategy.barrier("save_step.prepare")
     deepspeed = is_deepspeed(trainer.strategy)
     # Every rank calls save_checkpoint: it is a collective (shards, RNG gather), and it ends in a barrier.
-    with _write_errors_held(trainer) as held:
+    with _write_errors_held(trainer) as (held, written):
         trainer.save_checkpoint(tmp if deepspeed else tmp / LIGHTNING_FILE, weights_only=False)
-    failed = gather_objects(held[0] if held else None)
-    error = "; ".join(f"rank {rank}: {err}" for rank, err in enumerate(failed) if err) or None
+    digests = {} if held else {str(p.relative_to(tmp)): hash_file(p) for p in written if p.is_file()}
+    gathered = gather_objects((held[0] if held else None, digests))
+    error = "; ".join(f"rank {rank}: {err}" for rank, (err, _) in enumerate(gathered) if err) or None
     if trainer.is_global_zero and error is None:
+        known = {rel: digest for _, theirs in gathered for rel, digest in theirs.items()}
         try:
-            _commit(tmp, final, trainer, pl_module, "deepspeed" if deepspeed else "lightning", record)
+            _commit(tmp, final, trainer, pl_module, "deepspeed" if deepspeed else "lightning", record, known)
         except OSError as err:
             error = _write_error(err)
     # Rank 0's outcome reaches every rank (a barrier would leave the others waiting forever if it raised).
@@ -109,34 +116,39 @@ def _write_error(err: Exception) -> str:
 
 
 @contextmanager
-def _write_errors_held(trainer: Trainer) -> Iterator[list[str]]:
-    """Within the block, an error from one of this rank's checkpoint writes is recorded in the yielded list
-    instead of raised, so the rank goes on through the save's remaining collectives. A full disk shows as an
-    OSError, or as a RuntimeError from torch.save's zip writer. Which writes are wrapped: see
+def _write_errors_held(trainer: Trainer) -> Iterator[tuple[list[str], list[Path]]]:
+    """Within the block, an error from one of this rank's checkpoint writes is recorded in the first yielded list
+    instead of raised, so the rank goes on through the save's remaining collectives (the second list: the files
+    this rank wrote, hashed right after the save). A full disk shows as an OSError, or as a RuntimeError from
+    torch.save's zip writer. Which writes are wrapped: see
     `compat.hold_checkpoint_writes`; DeepSpeed's `latest` is left to `_commit` (rank 0, after every shard is
     written — it would otherwise be a raw write on rank 0 just before DeepSpeed's last barrier)."""
     held: list[str] = []
+    written: list[Path] = []
     strategy, rank = trainer.strategy, trainer.global_rank
 
     def holding(write: Any) -> Any:
         def call(*args: Any, **kwargs: Any) -> Any:
             try:
-                return write(*args, **kwargs)
+                result = write(*args, **kwargs)
             except (OSError, RuntimeError) as err:
                 log.error("rank %d could not write its checkpoint: %s", rank, err)
                 held.append(_write_error(err))
                 return None
+            if len(args) >= 2 and isinstance(args[1], (str, os.PathLike)):  # save(state, path): a file written
+                written.append(Path(args[1]))
+            return result
         return call
 
     with hold_checkpoint_writes(strategy, is_deepspeed(strategy), holding):
-        yield held
+        yield held, written
 
 
 def _commit(tmp: Path, final: Path, trainer: Trainer, pl_module: LightningModule, fmt: str,
-            record: RunRecord) -> None:
+            record: RunRecord, digests: dict[str, str]) -> None:
     if fmt == "deepspeed":  # DeepSpeed's pointer to its tag, which its loaders read (see _write_errors_held)
         write_text_atomic(tmp / "latest", DEEPSPEED_TAG)
-    _write_sidecars(tmp, trainer, pl_module, fmt, record)  # the manifest last
+    _write_sidecars(tmp, trainer, pl_module, fmt, record, digests)  # the manifest last
     for path in (tmp, *(p for p in tmp.rglob("*") if p.is_dir())):
         fsync_path(path)  # directory entries of every shard, before the rename publishes them
     os.replace(tmp, final)
@@ -166,29 +178,31 @@ def _zero_stage(trainer: Trainer) -> int | None:
 
 
 def _write_sidecars(ckpt_dir: Path, trainer: Trainer, pl_module: LightningModule, fmt: str,
-                    record: RunRecord) -> None:
+                    record: RunRecord, digests: dict[str, str]) -> None:
     if record.resolved_config is not None:
         write_text_atomic(ckpt_dir / CONFIG_FILE, record.resolved_config)
     model_config = pl_module.config.to_dict()
     write_text_atomic(ckpt_dir / MODEL_CONFIG_FILE, json.dumps(model_config, indent=2) + "\n")
     datamodule = trainer.datamodule
-    manifest = {
-        "step": trainer.global_step,
-        "tokens_seen": datamodule.tokens_seen(),  # across restarts, also on other world sizes
-        "format": fmt,
-        "world_size": trainer.world_size,
-        "zero_stage": _zero_stage(trainer),
-        "precision": precision_record(trainer, pl_module),  # one regime on every strategy (training/strategy.py)
-        "accumulate_grad_batches": trainer.accumulate_grad_batches,
-        "micro_batch_size": datamodule.batch_size,
-        "seq_len": datamodule.seq_len,
-        "config_hash": config_hash(model_config),
-        "tokenizer_hash": file_hash(datamodule.tokenizer_path),
-        "versions": versions(),
-        "git_revision": record.git_revision,
-        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        **({"branched_from": record.branched_from} if record.branched_from is not None else {}),
-        **({"init_from": record.init_from} if record.init_from is not None else {}),
-        "files": file_sizes(ckpt_dir),  # checked before a resume or a load (see verify_files)
-    }
-    write_text_atomic(ckpt_dir / MANIFEST, json.dumps(manifest, indent=2) + "\n")  # last: marks complete
+    manifest = Manifest(
+        step=trainer.global_step,
+        tokens_seen=datamodule.tokens_seen(),  # across restarts, also on other world sizes
+        format=fmt,
+        world_size=trainer.world_size,
+        zero_stage=_zero_stage(trainer),
+        precision=precision_record(trainer, pl_module),  # one regime on every strategy (training/strategy.py)
+        accumulate_grad_batches=trainer.accumulate_grad_batches,
+        micro_batch_size=datamodule.batch_size,
+        seq_len=datamodule.seq_len,
+        config_hash=config_hash(model_config),
+        tokenizer_hash=file_hash(datamodule.tokenizer_path),
+        versions=versions(),
+        git_revision=record.git_revision,
+        time=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        branched_from=record.branched_from,
+        init_from=record.init_from,
+        # checked before a resume or a load (see verify_files); shards were hashed by the ranks that wrote them
+        files=file_sizes(ckpt_dir),
+        sha256=hash_files(ckpt_dir, digests),
+    )
+    write_text_atomic(ckpt_dir / MANIFEST, manifest.to_json())  # last: marks complete

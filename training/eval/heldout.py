@@ -23,8 +23,8 @@ from tqdm import tqdm
 from data.dataset import val_starts, window_batch
 from data.layout import document_starts, load_tokenizer, open_tokens, read_meta
 from data.tokenizer import sha256_file
-from training.checkpointing.layout import MANIFEST, read_manifest
 from training.checkpointing.load import CheckpointError, load_checkpoint
+from training.checkpointing.manifest import MANIFEST, Manifest
 from training.eval.metrics import LossTotals, batch_loss, split_batch
 from training.loggers import write_scalars
 
@@ -137,7 +137,7 @@ def checkpoint_tokenizer_sha256(checkpoint: str | Path, loaded_tokenizer: Path |
     """The sha256 of the tokenizer a checkpoint was trained with: its manifest's record, else the file's."""
     manifest = Path(checkpoint) / MANIFEST
     if manifest.is_file():
-        recorded = read_manifest(Path(checkpoint)).get("tokenizer_hash")
+        recorded = Manifest.read(checkpoint).tokenizer_hash
         if recorded:
             return recorded
     if loaded_tokenizer is not None and loaded_tokenizer.is_file():

@@ -26,9 +26,9 @@ from training.checkpointing.layout import (
     CONFIG_FILE,
     MANIFEST,
     MODEL_CONFIG_FILE,
+    Manifest,
     checkpoints_dir,
     complete_checkpoints,
-    read_manifest,
     step_dirname,
     write_text_atomic,
 )
@@ -71,18 +71,18 @@ def evaluate_run(run_dir: str | Path, data: list[str] | None = None, split: str 
     specs = parse_sets(data)
     new: list[dict[str, Any]] = []
     for ckpt in checkpoints:
-        manifest = read_manifest(ckpt)
+        manifest = Manifest.read(ckpt)
         run_config = yaml.safe_load((ckpt / CONFIG_FILE).read_text()) if (ckpt / CONFIG_FILE).is_file() else {}
         model_config = json.loads((ckpt / MODEL_CONFIG_FILE).read_text())
-        sets = plan_sets(specs, run_config or {}, int(model_config["max_seq_len"]), manifest.get("tokenizer_hash"),
+        sets = plan_sets(specs, run_config or {}, int(model_config["max_seq_len"]), manifest.tokenizer_hash,
                          str(ckpt), split, max_tokens)
-        todo = [held for held in sets if not _done(result_path(run_dir, held.name, manifest["step"]), held.settings())]
+        todo = [held for held in sets if not _done(result_path(run_dir, held.name, manifest.step), held.settings())]
         if not todo:
             log.info("%s: already evaluated with these settings, skipped", ckpt.name)
             continue
         loaded = load_checkpoint(ckpt, device=device)
         for held in todo:
-            result = {"checkpoint": str(ckpt), "step": manifest["step"], "tokens_seen": manifest.get("tokens_seen"),
+            result = {"checkpoint": str(ckpt), "step": manifest.step, "tokens_seen": manifest.tokens_seen,
                       **score(loaded.model, held, batch_size, device), "settings": held.settings()}
             write_text_atomic(_mkdir(result_path(run_dir, held.name, result["step"])), json.dumps(result, indent=2)
                               + "\n")

@@ -1,0 +1,152 @@
+"""`Manifest`: what `manifest.json` records about a checkpoint directory, typed, with its one reader and writer.
+
+A directory is complete exactly when it has a manifest (written last, atomically; see layout.py). Every field
+but `step` may be absent in a manifest written by an older normlab, and reads as None (or empty): readers treat
+a missing record as "not checked", never as a match. Keys this version does not know (written by a newer one)
+are kept in `extra` and written back unchanged.
+
+`files` ({relative path: bytes}) and `sha256` ({relative path: hex digest}) cover every file of the directory
+but the manifest itself; `verify_files` checks both before anything is unpickled, so a truncated, missing or
+altered shard is one error naming it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+MANIFEST = "manifest.json"
+HASH = "sha256"  # faster than blake2b here (hashlib on OpenSSL with SHA extensions), and what the other hashes use
+_CHUNK = 1 << 20
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that is missing, incomplete, unreadable or does not fit this run; the message names the path
+    and the fix."""
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write via a temporary file, fsync and rename, so a reader never sees half a file."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Manifest:
+    step: int  # the optimizer step the checkpoint was saved after
+    format: str | None = None  # "deepspeed" (a DeepSpeed directory) or "lightning" (model.ckpt inside it)
+    tokens_seen: int | None = None  # across restarts, also on other world sizes
+    world_size: int | None = None
+    zero_stage: int | None = None  # None without DeepSpeed
+    precision: dict[str, str] | None = None  # the precision regime (training/strategy.py: precision_record)
+    accumulate_grad_batches: int | None = None
+    micro_batch_size: int | None = None
+    seq_len: int | None = None
+    config_hash: str | None = None  # layout.config_hash of model_config.json
+    tokenizer_hash: str | None = None  # sha256 of the tokenizer file
+    versions: dict[str, str] = field(default_factory=dict)
+    git_revision: str | None = None
+    time: str | None = None
+    branched_from: dict[str, Any] | None = None  # a cooldown branch's parent (training/checkpointing/branch.py)
+    init_from: dict[str, Any] | None = None  # the weights a run started from (training/checkpointing/init_from.py)
+    files: dict[str, int] = field(default_factory=dict)  # {relative path: bytes}
+    sha256: dict[str, str] = field(default_factory=dict)  # {relative path: hex digest}
+    extra: dict[str, Any] = field(default_factory=dict)  # keys written by a newer normlab, kept as they are
+
+    @property
+    def deepspeed(self) -> bool:
+        return self.format == "deepspeed"
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Manifest:
+        known = {f.name for f in dataclasses.fields(cls)} - {"extra"}
+        values = {k: v for k, v in data.items() if k in known}
+        for name in ("versions", "files", "sha256"):
+            values[name] = values.get(name) or {}
+        return cls(**values, extra={k: v for k, v in data.items() if k not in known})
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "extra"}
+        for optional in ("branched_from", "init_from"):  # only a branch / a run started from weights has one
+            if out[optional] is None:
+                del out[optional]
+        return {**out, **self.extra}
+
+    @classmethod
+    def read(cls, ckpt_dir: str | Path) -> Manifest:
+        """The manifest of `ckpt_dir`; a missing or corrupt one is a CheckpointError naming it and the fix."""
+        path = Path(ckpt_dir) / MANIFEST
+        try:
+            data = json.loads(path.read_text())
+            if not isinstance(data, dict) or not isinstance(data.get("step"), int):
+                raise ValueError("it has no integer 'step'")
+            return cls.from_dict(data)
+        except (OSError, UnicodeDecodeError, ValueError, TypeError) as err:  # JSONDecodeError is a ValueError
+            raise CheckpointError(f"corrupt manifest '{path}' ({err}): move {Path(ckpt_dir).name} out of the "
+                                  "checkpoints directory and resume from the previous checkpoint") from err
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2) + "\n"
+
+    def write(self, ckpt_dir: str | Path) -> None:
+        """Atomically (temporary file, fsync, rename): the manifest marks its directory complete."""
+        write_text_atomic(Path(ckpt_dir) / MANIFEST, self.to_json())
+
+
+def hash_file(path: str | Path) -> str:
+    """The hex digest (HASH) of a file, read in 1 MiB chunks."""
+    digest = hashlib.new(HASH)
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def hash_files(ckpt_dir: Path, known: dict[str, str] | None = None) -> dict[str, str]:
+    """{relative path: digest} of every file in `ckpt_dir` but the manifest; digests already in `known` (taken
+    by the rank that wrote the file, right after writing it) are not computed again."""
+    known = known or {}
+    return {rel: known.get(rel) or hash_file(p) for rel, p in _files(ckpt_dir).items()}
+
+
+def file_sizes(ckpt_dir: Path) -> dict[str, int]:
+    """{relative path: bytes} of every file in a checkpoint directory but the manifest (recorded in it)."""
+    return {rel: p.stat().st_size for rel, p in _files(ckpt_dir).items()}
+
+
+def _files(ckpt_dir: Path) -> dict[str, Path]:
+    return {str(p.relative_to(ckpt_dir)): p for p in sorted(ckpt_dir.rglob("*")) if p.is_file() and p.name != MANIFEST}
+
+
+def verify_files(ckpt_dir: Path, manifest: Manifest | dict[str, Any]) -> None:
+    """Every file the manifest lists is there with its size and (when recorded) its content hash: a missing,
+    truncated or altered shard fails here, with its name, before anything reads it. (Files the manifest does not
+    list — e.g. the universal-format cache written later — are not covered; their loading is safe regardless,
+    see safe.py.)"""
+    if isinstance(manifest, dict):
+        manifest = Manifest.from_dict(manifest)
+    for rel, size in manifest.files.items():
+        path = ckpt_dir / rel
+        if not path.is_file():
+            raise CheckpointError(f"checkpoint {ckpt_dir} is damaged: '{rel}' is missing; restore it or use an "
+                                  "earlier checkpoint")
+        if path.stat().st_size != size:
+            raise CheckpointError(f"checkpoint {ckpt_dir} is damaged: '{rel}' is truncated or altered "
+                                  f"({path.stat().st_size} bytes, {size} when saved); use an earlier checkpoint")
+    for rel, digest in manifest.sha256.items():
+        path = ckpt_dir / rel
+        if not path.is_file():
+            raise CheckpointError(f"checkpoint {ckpt_dir} is damaged: '{rel}' is missing; restore it or use an "
+                                  "earlier checkpoint")
+        if hash_file(path) != digest:
+            raise CheckpointError(f"checkpoint {ckpt_dir} is damaged: '{rel}' was altered after it was saved (its "
+                                  f"{HASH} differs from the manifest's); nothing was loaded — use an earlier "
+                                  "checkpoint")

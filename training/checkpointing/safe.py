@@ -1,0 +1,161 @@
+"""Reading checkpoint files without running code from them.
+
+A `.pt`/`.ckpt` file is a pickle, and unpickling can call any function the file names (`os.system` included).
+normlab trusts nothing in a checkpoint: every file it reads — Lightning's `model.ckpt`, DeepSpeed's model and
+optimizer shards of every ZeRO stage, the universal-format cache — is read by `torch.load(weights_only=True)`,
+PyTorch's restricted unpickler, which builds tensors, containers and primitives, plus only the few classes in
+`_allowed()` below. A file that names anything else is refused with one line naming the file and the type, before
+any of it is built (`UnsafeCheckpointError`).
+
+Three entry points:
+- `refuse_code(ckpt_dir)`: every pickled file of a checkpoint directory is scanned (its pickle opcodes, not
+  run) before a multi-rank load, so every rank refuses the same file at the same point — a rank that failed
+  inside DeepSpeed's loader alone would leave the others waiting in its next collective;
+- `safe_torch_load(path)`: normlab's own reads (evaluate, export, generate, the run history, Lightning's
+  checkpoint IO via `SafeCheckpointIO`, a future `fit --init_from`);
+- `no_code_from_checkpoints()`: DeepSpeed reads its checkpoints at some twenty call sites that all pass
+  `weights_only=False` to `torch.load` — its checkpoint engine, but also zero_to_fp32, the universal loader
+  and ds_to_universal, which bypass the engine — so inside this context `torch.load` itself reads weights-only
+  (catalogued in training/compat.py). It is entered only around DeepSpeed's checkpoint reads.
+"""
+from __future__ import annotations
+
+import pickle
+import re
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+from unittest import mock
+
+import torch
+from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+
+from training.checkpointing.manifest import CheckpointError
+
+
+def _allowed() -> list[Any]:
+    """The non-tensor classes normlab's checkpoints hold, each needed by a real checkpoint (found by loading one
+    of every ZeRO stage, a Lightning file and a universal cache with weights_only=True and nothing allowed).
+    Only DeepSpeed's shards store them, and every DeepSpeed reader imports DeepSpeed first: without it imported,
+    nothing is allowed (and a Lightning file's read does not import DeepSpeed, whose import prints a warning)."""
+    if "deepspeed" not in sys.modules:
+        return []
+    from deepspeed.runtime.fp16.loss_scaler import LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    return [
+        LossScaler,  # ZeRO optimizer shards: `loss_scaler` (static scale 1.0 in fp32/bf16; its attributes only)
+        ZeroStageEnum,  # ZeRO optimizer shards: `zero_stage` (an IntEnum)
+        fragment_address,  # ZeRO-1/2 optimizer shards: `param_slice_mappings` (a namedtuple of two ints)
+    ]
+
+
+class UnsafeCheckpointError(CheckpointError):
+    """A checkpoint file whose unpickling would build a type outside the allow-list (it could run code)."""
+
+
+_GLOBAL = re.compile(r"GLOBAL (\S+)|global[s]?:? \[?['\"]?([\w.]+)")
+
+
+def _refusal(path: Any, err: Exception) -> CheckpointError:
+    """One line for a file the restricted unpickler refused (`err`), naming the file and the type."""
+    found = _GLOBAL.search(str(err))
+    what = next(g for g in found.groups() if g) if found else str(err).strip().splitlines()[-1][:200]
+    return UnsafeCheckpointError(
+        f"refusing to load '{path}': it holds {what}, which is not a tensor nor one of the few types normlab "
+        "checkpoints contain — unpickling it could run code. Nothing from it was run; load only checkpoints "
+        "written by normlab (see docs/checkpoints.md)")
+
+
+def refuse_code(ckpt_dir: Path) -> None:
+    """Refuse `ckpt_dir` if any of its pickled files (DeepSpeed shards, model.ckpt, the universal cache) names a
+    type outside the allow-list: one UnsafeCheckpointError naming the file and the type. Reads only each file's
+    pickle record, never its tensors, and unpickles nothing."""
+    if (Path(ckpt_dir) / "latest").is_file():  # a DeepSpeed directory: its shards' types are allowed (see _allowed)
+        import deepspeed  # noqa: F401
+    for path in sorted(p for p in Path(ckpt_dir).rglob("*") if p.suffix in (".pt", ".ckpt") and p.is_file()):
+        with allowed_types():
+            try:
+                unsafe = torch.serialization.get_unsafe_globals_in_checkpoint(path)
+            except Exception as err:  # not a zip-format torch file: torch.load will say what it is
+                raise CheckpointError(f"cannot read '{path}': it is truncated or not a checkpoint ({err}); use "
+                                      "another checkpoint, e.g. the previous step directory") from err
+        if unsafe:
+            raise _refusal(path, ValueError(f"GLOBAL {unsafe[0]}"))
+
+
+@contextmanager
+def allowed_types() -> Iterator[None]:
+    """Within the block, weights-only loads also accept `ALLOWED` (scoped: no process-wide registration)."""
+    with torch.serialization.safe_globals(_allowed()):
+        yield
+
+
+def _load(load: Callable[..., Any], f: Any, *args: Any, **kwargs: Any) -> Any:
+    kwargs["weights_only"] = True  # whatever the caller asked for
+    with allowed_types():
+        try:
+            return load(f, *args, **kwargs)
+        except pickle.UnpicklingError as err:
+            raise _refusal(getattr(f, "name", f), err) from None
+
+
+def safe_torch_load(path: str | Path, map_location: Any = "cpu", mmap: bool = False) -> Any:
+    """`torch.load` of `path` that runs no code from the file: a refused type, or a file that is not a readable
+    checkpoint, is a CheckpointError naming it."""
+    try:
+        return _load(torch.load, str(path), map_location=map_location, mmap=mmap)
+    except CheckpointError:
+        raise
+    except Exception as err:  # truncated zip, wrong file type, …
+        raise CheckpointError(f"cannot read '{path}': it is truncated or not a checkpoint ({err}); use another "
+                              "checkpoint, e.g. the previous step directory") from err
+
+
+@contextmanager
+def no_code_from_checkpoints() -> Iterator[None]:
+    """Within the block, every `torch.load` in this process is weights-only with `_allowed()` (see the module
+    docstring: DeepSpeed's readers ask for weights_only=False). Nests."""
+    from training.compat import require
+
+    require("torch:load")
+    load = torch.load
+    if getattr(load, "_normlab_weights_only", False):  # already inside the block
+        yield
+        return
+
+    def weights_only_load(f: Any, *args: Any, **kwargs: Any) -> Any:
+        return _load(load, f, *args, **kwargs)
+
+    weights_only_load._normlab_weights_only = True  # type: ignore[attr-defined]
+    with mock.patch.object(torch, "load", weights_only_load):
+        yield
+
+
+class SafeCheckpointIO(TorchCheckpointIO):
+    """Lightning's checkpoint IO (`fit/validate/test --ckpt_path` of a `model.ckpt`), reading weights-only."""
+
+    def load_checkpoint(self, path: Any, map_location: Any = None, weights_only: bool | None = None) -> Any:
+        if not Path(path).is_file():
+            raise CheckpointError(f"checkpoint '{path}' not found")
+        return safe_torch_load(path, map_location=map_location or "cpu")
+
+
+def _ds_to_universal(argv: list[str]) -> None:
+    """DeepSpeed's universal-format converter (its own command line), reading weights-only; its worker
+    processes are forked, and inherit the guard."""
+    from deepspeed.checkpoint import ds_to_universal
+
+    sys.argv = ["ds_to_universal", *argv]
+    with no_code_from_checkpoints():
+        ds_to_universal.main(ds_to_universal.parse_arguments())
+
+
+if __name__ == "__main__":  # python -m training.checkpointing.safe <ds_to_universal arguments> (training/strategy.py)
+    try:
+        _ds_to_universal(sys.argv[1:])
+    except CheckpointError as err:
+        sys.exit(f"error: {err}")

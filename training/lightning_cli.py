@@ -179,11 +179,12 @@ class NormlabCLI(LightningCLI):
 
     def _check_branch(self, parent: branch.Parent) -> None:
         """The resume checks against a branch's parent: one error line, before anything is written."""
-        resume.check_fits(parent.ckpt_dir, self.model.config.to_dict(), self.datamodule.tokenizer_path,
-                          self.trainer, action="branch from")
-        if 0 < self.trainer.max_steps <= parent.step:
+        manifest = resume.check_settings(parent.ckpt_dir, self.model.config.to_dict(), self.datamodule.tokenizer_path,
+                                         action="branch from")
+        if 0 < self.trainer.max_steps <= parent.step:  # before any file of the parent is unpickled
             raise UserError(f"--trainer.max_steps {self.trainer.max_steps}: the branch starts at the parent's step "
                             f"{parent.step}; give a larger max_steps (the step to end at)")
+        resume.check_loadable(parent.ckpt_dir, manifest, self.trainer)
 
     def before_fit(self) -> None:
         self._check_inputs()

@@ -66,9 +66,15 @@ def check_fits(ckpt_dir: Path, model_config: dict[str, Any], tokenizer_path: Pat
     """The checkpoint at `ckpt_dir` can be loaded into a run with `model_config`, trained on the tokenizer at
     `tokenizer_path`, with `trainer`'s accumulation and world size. `action` ("resume", "branch from") names
     what is refused in the messages. (Needs only the trainer's settings: also usable before `fit`.)"""
+    check_loadable(ckpt_dir, check_settings(ckpt_dir, model_config, tokenizer_path, action), trainer)
+
+
+def check_settings(ckpt_dir: Path, model_config: dict[str, Any], tokenizer_path: Path | None,
+                   action: str = "resume") -> Manifest:
+    """The checks of `check_fits` that read no pickle: the files are as saved, the model config and the tokenizer
+    are the run's. Returns the manifest."""
     manifest = Manifest.read(ckpt_dir)
     verify_files(ckpt_dir, manifest)
-    refuse_code(ckpt_dir)  # every rank refuses the same file here, before any collective of the load
     config_file = ckpt_dir / MODEL_CONFIG_FILE
     if config_file.is_file():
         saved = _as_today(json.loads(config_file.read_text()))
@@ -85,6 +91,13 @@ def check_fits(ckpt_dir: Path, model_config: dict[str, Any], tokenizer_path: Pat
     if saved_tok and current_tok and saved_tok != current_tok:
         raise CheckpointError(f"cannot {action} {ckpt_dir}: the tokenizer differs from the one it was trained with "
                               f"({tokenizer_path} has another hash); use the run's --data.path")
+    return manifest
+
+
+def check_loadable(ckpt_dir: Path, manifest: Manifest, trainer: Trainer) -> None:
+    """The rest of `check_fits`: no file asks to run code — every rank refuses the same file here, before any
+    collective of the load — and the accumulation and world size can continue it."""
+    refuse_code(ckpt_dir)
     check_accumulation(ckpt_dir, manifest, trainer)
     saved_world = manifest.world_size
     if saved_world is not None and saved_world != trainer.world_size:

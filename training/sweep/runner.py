@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from training.errors import UserError
@@ -26,15 +28,23 @@ def to_train(spec: Spec, runs: list[Run]) -> list[Run]:
     return [r for r in runs if run_status(spec.sweep_dir / r.rel)[0] not in SKIP]
 
 
-def run_local(spec: Spec, runs: list[Run], max_parallel: int) -> dict:
-    from training.sweep.local import LocalExecutor
-
+@contextmanager
+def claimed(spec: Spec, runs: list[Run]) -> Iterator[list[Run]]:
+    """The sweep directory held by this process (one sweep process at a time), the spec checked against what
+    was trained, the state written: yields the runs still to train (local and Slurm executors alike)."""
     with locked(spec.sweep_dir / ".lock", blocking=False) as mine:
         if not mine:
             raise UserError(f"another sweep process is working on '{spec.sweep_dir}'; wait for it, or stop it")
         check_unchanged(spec, runs)
         todo = to_train(spec, runs)
         write_state(spec, runs)
+        yield todo
+
+
+def run_local(spec: Spec, runs: list[Run], max_parallel: int) -> dict:
+    from training.sweep.local import LocalExecutor
+
+    with claimed(spec, runs) as todo:
         log.info("sweep %s: %d runs, %d to train, %d at a time", spec.name, len(runs), len(todo), max_parallel)
         start = time.perf_counter()
         LocalExecutor(spec, max_parallel, on_change=lambda: write_state(spec, runs)).run(todo)

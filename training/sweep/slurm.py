@@ -32,10 +32,10 @@ from pathlib import Path
 from typing import Any
 
 from training.errors import UserError
-from training.sweep.launch import check_unchanged, train
-from training.sweep.runner import status_table, to_train
+from training.sweep.launch import train
+from training.sweep.runner import claimed, status_table
 from training.sweep.spec import Run, Spec, load_spec
-from training.sweep.state import locked, progress, write_json, write_state
+from training.sweep.state import progress, write_json, write_state
 
 log = logging.getLogger("training.sweep.slurm")  # also when run as __main__ (the array task)
 
@@ -81,12 +81,7 @@ def script(spec: Spec, tasks_file: Path, n: int, max_parallel: int | None) -> st
 def submit(spec: Spec, runs: list[Run], max_parallel: int | None, wait: bool = False) -> int:
     """Submit the runs not finished (nor running) as one array; with `wait`, follow it to its end."""
     resources(spec)  # a bad slurm: key is reported before anything is written
-    with locked(spec.sweep_dir / ".lock", blocking=False) as mine:
-        if not mine:
-            raise UserError(f"another sweep process is working on '{spec.sweep_dir}'; wait for it, or stop it")
-        check_unchanged(spec, runs)
-        todo = to_train(spec, runs)
-        write_state(spec, runs)
+    with claimed(spec, runs) as todo:
         if not todo:
             sys.stdout.write(f"sweep {spec.name}: nothing to train\n")
             return 0

@@ -100,24 +100,24 @@ def test_bad_group_specs_fail_at_config_time(groups, message):
 
 
 def test_groups_are_logged_follow_the_schedule_resume_and_branch(workdir):
-    """Every group's LR is lr_mult × the schedule, logged as train/lr/<group>; a resume restores the groups; a
+    """Every group's LR is lr_mult × the schedule, logged as train/lr_<group>; a resume restores the groups; a
     branch runs with its own multipliers from its first update."""
     trunk_groups = "{emb: {kind: embedding, lr_mult: 0.5}}"
     trunk = fit(workdir, "groups-trunk", "--optim.groups", trunk_groups)
     base = scalars(trunk, "train/lr")
     assert sorted(base) == list(range(1, 9)) and base[1] < base[2]  # warm-up, then cosine: a moving schedule
-    for tag, mult in (("train/lr/emb", 0.5), ("train/lr/decay", 1.0), ("train/lr/no_decay", 1.0)):
+    for tag, mult in (("train/lr_emb", 0.5), ("train/lr_decay", 1.0), ("train/lr_no_decay", 1.0)):
         assert scalars(trunk, tag) == pytest.approx({s: mult * v for s, v in base.items()}, rel=1e-6), tag
 
     resumed = fit(workdir, "groups-resumed", "--optim.groups", trunk_groups, "--ckpt_path",
                   str(ckpt(trunk, 4) / "model.ckpt"))
-    assert scalars(resumed, "train/lr/emb") == pytest.approx({s: v for s, v in scalars(trunk, "train/lr/emb").items()
+    assert scalars(resumed, "train/lr_emb") == pytest.approx({s: v for s, v in scalars(trunk, "train/lr_emb").items()
                                                               if s > 4}, rel=1e-6)
 
     branch = fit(workdir, "groups-branch", "--optim.groups", "{emb: {kind: embedding, lr_mult: 0.25}}",
                  "--branch_from", str(ckpt(trunk, 4)), "--optim.schedule", "constant")
-    assert scalars(branch, "train/lr/emb") == pytest.approx({s: 0.25e-3 for s in (5, 6, 7, 8)}, rel=1e-6)
-    assert scalars(branch, "train/lr/decay") == pytest.approx({s: 1e-3 for s in (5, 6, 7, 8)}, rel=1e-6)
+    assert scalars(branch, "train/lr_emb") == pytest.approx({s: 0.25e-3 for s in (5, 6, 7, 8)}, rel=1e-6)
+    assert scalars(branch, "train/lr_decay") == pytest.approx({s: 1e-3 for s in (5, 6, 7, 8)}, rel=1e-6)
     with pytest.raises(UserError, match=r"the checkpoint's optimizer groups are \['decay', 'no_decay', 'emb'\] and "
                                         r"this run's \['decay', 'no_decay'\]: resume or branch with"):
         fit(workdir, "groups-branch-bad", "--branch_from", str(ckpt(trunk, 4)))

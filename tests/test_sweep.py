@@ -45,7 +45,7 @@ def sweep(spec: Path, *args: str, **kw) -> subprocess.Popen:
 def final_state(run_dir: Path) -> dict[str, torch.Tensor]:
     """The model and optimizer tensors of the run's final checkpoint (everything training carries on with)."""
     ckpt = torch.load(run_dir / "checkpoints" / f"step-{STEPS:08d}" / "model.ckpt", map_location="cpu",
-                      weights_only=False)
+                      weights_only=True)
     tensors = dict(ckpt["state_dict"])
     for i, opt in enumerate(ckpt["optimizer_states"]):
         for p, st in opt["state"].items():

@@ -24,7 +24,7 @@ STEPS = 24
 
 def final_tensors(run_dir: Path) -> dict[str, torch.Tensor]:
     ckpt = torch.load(run_dir / "checkpoints" / f"step-{STEPS:08d}" / "model.ckpt", map_location="cpu",
-                      weights_only=False)
+                      weights_only=True)
     tensors = dict(ckpt["state_dict"])
     for p, st in ckpt["optimizer_states"][0]["state"].items():
         tensors.update({f"opt.{p}.{k}": v for k, v in st.items() if torch.is_tensor(v)})

@@ -99,6 +99,9 @@ PATCHES: dict[str, Patch] = {p.target: p for p in [
           "DeepSpeed reads checkpoints with torch.load, passing weights_only=False, at ~20 call sites, several "
           "bypassing its checkpoint engine (zero_to_fp32, the universal loader, ds_to_universal): around those reads "
           "only, torch.load is made weights-only (training/checkpointing/safe.py)", "torch", ">=2.6"),
+    Patch("lightning.pytorch.cli:LightningCLI._parser",
+          "the running subcommand's parser, for its defaults: `fit --init_from` takes the model fields left at their "
+          "defaults from the source (NormlabCLI._subcommand_defaults)", "lightning", LIGHTNING),
     Patch("lightning.pytorch.cli:LightningCLI._parse_ckpt_path",
           "it loads a --ckpt_path file while parsing: NormlabCLI runs it inside safe.no_code_from_checkpoints, so a "
           "refused file is one line, not a traceback", "lightning", LIGHTNING),

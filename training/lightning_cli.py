@@ -76,6 +76,12 @@ class NormlabCLI(LightningCLI):
             args=args,
         )
 
+    def _subcommand_defaults(self) -> Any:
+        """The running subcommand's defaults (configs/default.yaml and the classes' own): --init_from takes a model
+        field the user left at its default from the source instead."""
+        compat.require("lightning.pytorch.cli:LightningCLI._parser")
+        return self._parser(self.subcommand).get_defaults()
+
     def _parse_ckpt_path(self) -> None:
         # LightningCLI reads a `--ckpt_path` file's hyper-parameters while parsing (weights-only, but a refused
         # file would be a traceback): the guard turns a refusal into normlab's one-line error.
@@ -122,7 +128,7 @@ class NormlabCLI(LightningCLI):
         # checkpoint it resolved, a branch its --branch_from with the --ckpt_path given (not its parent's path).
         config.ckpt_path = self.plan.recorded_ckpt_path
         self._init_source = None if config.init_from is None else \
-            init_from.prepare(self.subcommand, config, self.parser.get_defaults()[self.subcommand])
+            init_from.prepare(self.subcommand, config, self._subcommand_defaults())
         if config.trainer.precision is None:
             config.trainer.precision = default_precision(config.trainer.accelerator)
         config.trainer.strategy = resolve_strategy(config.trainer.strategy, config.trainer.devices,

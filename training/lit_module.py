@@ -174,13 +174,13 @@ class LitLM(LightningModule):
                 self.log(f"{split}/{val_set.name}/bpb", t.compute()["bits_per_byte"], sync_dist=True)
 
     def _log_lrs(self) -> None:
-        """train/lr: the schedule's LR (optim.lr · factor); train/lr/<group>: each group's (× its multipliers)."""
+        """train/lr: the schedule's LR (optim.lr · factor); train/lr_<group>: each group's (× its multipliers)."""
         schedule = self.lr_schedulers()
         lrs = schedule.get_last_lr()
         factor = next((lr / base for lr, base in zip(lrs, schedule.base_lrs, strict=True) if base), 0.0)
         self.log("train/lr", self.optim.lr * factor)
         for group, lr in zip(schedule.optimizer.param_groups, lrs, strict=True):
-            self.log(f"train/lr/{group['name']}", lr)
+            self.log(f"train/lr_{group['name']}", lr)
 
     def configure_optimizers(self) -> dict[str, Any]:
         if self.optim.name == "muon" and is_deepspeed(self.trainer.strategy):

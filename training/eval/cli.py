@@ -67,7 +67,7 @@ def _run_tasks(args: argparse.Namespace, run_dir: bool) -> int:
     """`--tasks`: the harness on one checkpoint, or on every checkpoint of a run not yet scored with the same
     settings (its errors are CheckpointError/ValueError, reported by main)."""
     try:
-        from training.eval import tasks as downstream
+        from training.eval.tasks import evaluate_run_tasks, run_tasks, summary_line
     except ModuleNotFoundError as err:
         if (err.name or "").split(".")[0] != "lm_eval":
             raise
@@ -82,11 +82,11 @@ def _run_tasks(args: argparse.Namespace, run_dir: bool) -> int:
         if args.output is not None:
             raise ValueError("--output: a run's results go to <run>/eval/lm_eval/; leave --output out, or evaluate "
                              "one checkpoint directory")
-        for step, metrics in downstream.evaluate_run_tasks(args.checkpoint, names, **options).items():
-            print(f"step {step}: {downstream.summary_line(metrics)}")
+        for step, metrics in evaluate_run_tasks(args.checkpoint, names, **options).items():
+            print(f"step {step}: {summary_line(metrics)}")
         return 0
-    results = downstream.run_tasks(args.checkpoint, names, output=args.output, **options)
-    print(downstream.summary_line(results["metrics"]))
+    results = run_tasks(args.checkpoint, names, output=args.output, **options)
+    print(summary_line(results["metrics"]))
     return 0
 
 

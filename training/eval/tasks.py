@@ -205,8 +205,10 @@ def run_tasks(checkpoint: str | Path, tasks: list[str], num_fewshot: int | None 
     results = score(lm, task_set)
     metrics = task_metrics(results, task_set)
     step = loaded.step if loaded.step is not None else -1
+    # Into the run's own results (and its TensorBoard) unless --output says where else they go.
+    to_run = output is None
     record(output or result_path(loaded.run_dir, step), step, metrics, results, task_set.settings(), str(checkpoint),
-           loaded.run_dir, partial(write_scalars, loaded.run_dir) if in_run else None)
+           loaded.run_dir, partial(write_scalars, loaded.run_dir) if to_run else None)
     log.info("step %s: %s", loaded.step, summary_line(metrics))
     return {**results, "metrics": metrics}
 

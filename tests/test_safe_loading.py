@@ -122,7 +122,7 @@ def test_plain_commands_refuse_a_crafted_checkpoint(kind, crafted, tmp_path, cap
     file = payload_files(step_dir(run))[0].name
     for args in (["evaluate", "--checkpoint", ckpt], ["evaluate", "--checkpoint", str(run)],
                  ["export", "--checkpoint", ckpt, "--output", str(tmp_path / "hf")],
-                 ["generate", "--checkpoint", ckpt, "--prompt", "the", "--max-new-tokens", "2"]):
+                 ["generate", "--checkpoint", ckpt, "--prompt", "the", "--max_new_tokens", "2"]):
         rc, output = normlab_inprocess(args, capsys)
         assert_refused(output, rc, marker, file)
         assert [line for line in output.splitlines() if "error" in line] == [

@@ -155,6 +155,16 @@ def test_fit_branch_from_refuses_a_crafted_checkpoint(kind, crafted, workdir):
     assert_refused(proc.stdout + proc.stderr, proc.returncode, marker, payload_files(step_dir(run))[0].name)
 
 
+@pytest.mark.parametrize("kind", ["single", "zero2"])
+def test_fit_init_from_refuses_a_crafted_checkpoint(kind, crafted, workdir):
+    """`fit --init_from` a crafted checkpoint (a Lightning file, DeepSpeed shards): refused, nothing runs."""
+    run, marker = crafted[kind]
+    proc = run_normlab(fit_args(workdir, f"init-{kind}", "single", "--init_from", str(step_dir(run))), cwd=workdir,
+                       expect_ok=False, timeout=TIMEOUT)
+    assert_refused(proc.stdout + proc.stderr, proc.returncode, marker, payload_files(step_dir(run))[0].name)
+    assert not list((workdir / "runs" / f"init-{kind}").glob("checkpoints/step-*"))
+
+
 def test_universal_conversion_and_cache_refuse_code(runs, crafted, workdir, tmp_path):
     """Resuming a 2-rank ZeRO-2 checkpoint on 1 rank goes through DeepSpeed's universal format: a crafted shard
     is refused by the conversion, and a crafted universal cache (written by an earlier conversion, not covered

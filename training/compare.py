@@ -135,7 +135,7 @@ def status(run: dict[str, Any], metric: str) -> str:
     if any(not math.isfinite(v) for tag in ("train/loss", metric) for _, v in run["scalars"].get(tag, [])):
         return "diverged"
     max_steps = run["config"].get("trainer.max_steps")
-    done = run["manifest"] is not None and isinstance(max_steps, int) and run["manifest"]["step"] >= max_steps > 0
+    done = run["manifest"] is not None and isinstance(max_steps, int) and run["manifest"].step >= max_steps > 0
     return "finished" if done else "unfinished"
 
 

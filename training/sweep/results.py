@@ -22,7 +22,8 @@ from typing import Any
 
 import yaml
 
-from training.checkpointing.layout import complete_checkpoints, read_manifest
+from training.checkpointing.layout import complete_checkpoints
+from training.checkpointing.manifest import Manifest
 from training.errors import UserError
 from training.stats import training_outcome
 
@@ -59,7 +60,7 @@ def read_run(run_dir: Path) -> dict[str, Any]:
                for tag in acc.Tags()["scalars"]}
     found = complete_checkpoints(run_dir)
     return {"dir": run_dir, "config": flatten(yaml.safe_load((run_dir / "config.yaml").read_text()) or {}),
-            "scalars": scalars, "manifest": read_manifest(found[-1]) if found else None}
+            "scalars": scalars, "manifest": Manifest.read(found[-1]) if found else None}
 
 
 def plain_tags(tags: Iterable[str]) -> list[str]:
@@ -70,8 +71,8 @@ def plain_tags(tags: Iterable[str]) -> list[str]:
 def tokens_per_step(run: dict[str, Any]) -> float:
     """Tokens one optimizer step trains on: from the newest manifest, else from the config."""
     manifest, config = run["manifest"], run["config"]
-    if manifest and manifest.get("tokens_seen") and manifest.get("step"):
-        return manifest["tokens_seen"] / manifest["step"]
+    if manifest and manifest.tokens_seen and manifest.step:
+        return manifest.tokens_seen / manifest.step
     devices = config.get("trainer.devices")
     world = (devices if isinstance(devices, int) else 1) * (config.get("trainer.num_nodes") or 1)
     return float(config.get("data.batch_size") or 0) * (config.get("data.seq_len") or 0) * world * (

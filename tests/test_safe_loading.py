@@ -133,7 +133,9 @@ def test_plain_commands_refuse_a_crafted_checkpoint(kind, crafted, tmp_path, cap
 def test_compare_reads_no_pickle(crafted, tmp_path, capsys):
     """`compare` reads TensorBoard events and manifests (JSON), never a pickled file."""
     run, marker = crafted["zero2"]
-    rc, output = normlab_inprocess(["compare", str(run), "--plot", str(tmp_path / "c.png")], capsys)
+    # (2-step runs: no validation yet, so the metric compared is train/loss)
+    rc, output = normlab_inprocess(["compare", str(run), "--metric", "train/loss", "--plot", str(tmp_path / "c.png")],
+                                   capsys)
     assert rc == 0 and not marker.exists(), output[-3000:]
 
 

@@ -52,7 +52,8 @@ def result_path(run_dir: Path, name: str, step: int) -> Path:
     return Path(run_dir) / EVAL_DIR / name / f"{step_dirname(step)}.json"
 
 
-def _done(path: Path, settings: dict[str, Any]) -> bool:
+def scored_with(path: Path, settings: dict[str, Any]) -> bool:
+    """Whether `path` holds results computed with these settings (the step need not be scored again)."""
     try:
         return json.loads(path.read_text()).get("settings") == settings
     except (OSError, ValueError):
@@ -76,7 +77,8 @@ def evaluate_run(run_dir: str | Path, data: list[str] | None = None, split: str 
         model_config = json.loads((ckpt / MODEL_CONFIG_FILE).read_text())
         sets = plan_sets(specs, run_config or {}, int(model_config["max_seq_len"]), manifest.tokenizer_hash,
                          str(ckpt), split, max_tokens)
-        todo = [held for held in sets if not _done(result_path(run_dir, held.name, manifest.step), held.settings())]
+        todo = [held for held in sets
+                if not scored_with(result_path(run_dir, held.name, manifest.step), held.settings())]
         if not todo:
             log.info("%s: already evaluated with these settings, skipped", ckpt.name)
             continue

@@ -32,7 +32,8 @@ from lm_eval import utils
 from lm_eval.evaluator import evaluate
 from lm_eval.tasks import TaskManager
 
-from training.checkpointing.layout import step_dirname, write_text_atomic
+from training.checkpointing.layout import write_text_atomic
+from training.eval import history
 from training.loggers import write_scalars
 
 log = logging.getLogger(__name__)
@@ -134,15 +135,8 @@ def task_metrics(results: dict[str, Any], task_set: TaskSet) -> dict[str, dict[s
 
 
 def result_path(run_dir: Path, step: int) -> Path:
-    return Path(run_dir) / "eval" / HARNESS_DIR / f"{step_dirname(step)}.json"
-
-
-def scored_with(path: Path, settings: dict[str, Any]) -> bool:
-    """Whether `path` holds results computed with these settings (so the step need not be scored again)."""
-    try:
-        return json.loads(path.read_text()).get("settings") == settings
-    except (OSError, ValueError):
-        return False
+    """`runs/NAME/eval/lm_eval/step-XXXXXXXX.json`: where a run's held-out results go, as the set `lm_eval`."""
+    return history.result_path(run_dir, HARNESS_DIR, step)
 
 
 def record(path: Path, step: int, metrics: dict[str, dict[str, float]], results: dict[str, Any],
@@ -230,7 +224,7 @@ def evaluate_run_tasks(run_dir: str | Path, tasks: list[str], num_fewshot: int |
     new = {}
     for ckpt in checkpoints:
         step = int(read_manifest(ckpt)["step"])
-        if scored_with(result_path(run_dir, step), task_set.settings()):
+        if history.scored_with(result_path(run_dir, step), task_set.settings()):
             log.info("%s: tasks already scored with these settings, skipped", ckpt.name)
             continue
         new[step] = run_tasks(ckpt, tasks, batch_size=batch_size, device=device, task_set=task_set)["metrics"]

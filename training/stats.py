@@ -156,6 +156,27 @@ def difference(a: Sequence[float], b: Sequence[float], confidence: float = 0.95)
     return Estimate(d, se, ea.n + eb.n, d - half, d + half, se, df, confidence)
 
 
+def min_detectable(est: Estimate, alpha: float = ALPHA, power: float = 0.8) -> float:
+    """The smallest true effect a two-sided t-test at `alpha` detects with probability `power`, given the
+    estimate's standard error and degrees of freedom: (t_{1−α/2} + t_{power})·se (the usual approximation)."""
+    if est.df < 1 or not est.se > 0:
+        return math.nan
+    return (t_quantile(1 - alpha / 2, est.df) + t_quantile(power, est.df)) * est.se
+
+
+def power_at(est: Estimate, effect: float, alpha: float = ALPHA, equivalence: bool = False) -> float:
+    """The probability that the test rejects at a true effect `effect`, given the estimate's standard error and
+    degrees of freedom: for the two-sided t-test of 0, from the noncentral t; for equivalence within ±`effect`
+    (TOST at α/2 per side) at a true difference of 0, the usual approximation 2·F_t(effect/se − t_{1−α/2}) − 1."""
+    if est.df < 1 or not est.se > 0:
+        return math.nan
+    crit = t_quantile(1 - alpha / 2, est.df)
+    if equivalence:
+        return max(0.0, 2 * float(_scipy.t.cdf(abs(effect) / est.se - crit, est.df)) - 1)
+    nc = abs(effect) / est.se
+    return float(_scipy.nct.sf(crit, est.df, nc) + _scipy.nct.cdf(-crit, est.df, nc))
+
+
 def holm(p_values: Sequence[float]) -> list[float]:
     """Holm's step-down adjusted p-values (Holm 1979), in the input order: the i-th smallest of k is multiplied
     by k − i + 1, made monotone and capped at 1. NaN entries (tests that could not be run) stay NaN and do not

@@ -14,10 +14,10 @@ import torch
 from data.prepare import ensure_default_corpus
 from training.errors import UserError
 from training.study.claims import CLAIMS, Claim, select
-from training.study.grid import SCALES
-from training.study.judge import Context, judge
+from training.study.grid import SCALES, Arch, AtInit, Scale, Train
+from training.study.judge import Context, judge_all
 from training.study.plots import plot
-from training.study.report import write_report, write_results
+from training.study.report import write_csvs, write_report, write_results
 from training.study.runner import load_data, main_process_measurements, plan, roles_of, run_jobs
 
 log = logging.getLogger(__name__)
@@ -46,11 +46,15 @@ def _load() -> str:
 
 
 def run_study(output: Path, quick: bool = False, claims: list[int] | None = None, jobs: int = 1,
-              data_dir: Path | None = None) -> list[tuple[Claim, str]]:
-    """Run the selected claims' grid and write report.md, results.json and the plots into `output`."""
+              data_dir: Path | None = None, seeds: int | None = None) -> list[tuple[Claim, str]]:
+    """Run the selected claims' grid and write report.md, results.json, the CSVs and the plots into `output`."""
     if jobs < 1:
         raise UserError(f"--jobs={jobs} must be at least 1 (the number of worker processes)")
+    if seeds is not None and seeds < 2:
+        raise UserError(f"--seeds={seeds} must be at least 2 (a paired interval needs two seeds)")
     scale = SCALES["quick" if quick else "default"]
+    if seeds is not None:
+        scale = replace(scale, seeds=seeds)
     selected = select(claims)
     data_dir = data_dir or Path("data_cache") / f"study-v{scale.vocab_size}"
     output.mkdir(parents=True, exist_ok=True)
@@ -62,20 +66,59 @@ def run_study(output: Path, quick: bool = False, claims: list[int] | None = None
     log.info("study: %d jobs for claims %s on %d process(es)", len(todo), [c.number for c in selected], jobs)
     results = run_jobs(todo, data_dir, scale, jobs)
     extra = main_process_measurements(selected, scale, data)
-    # Every measurement, before any judging: the report can be rebuilt from it (torch.load) without rerunning.
-    torch.save({"scale": scale, "results": results, "extra": extra}, output / "measurements.pt")
-    judged = []
-    for claim, roles in zip(selected, roles_of(selected, scale).values(), strict=True):
-        ctx = Context(scale, roles, results, extra)
-        verdict, outcomes = judge(claim, ctx)
-        judged.append((claim, verdict, outcomes, ctx, plot(claim.number, ctx, output)))
     header = {"command": "normlab study" + (" --quick" if quick else "")
-              + (f" --claims {','.join(map(str, claims))}" if claims else "") + f" --jobs {jobs}",
+              + (f" --claims {','.join(map(str, claims))}" if claims else "")
+              + (f" --seeds {seeds}" if seeds is not None else "") + f" --jobs {jobs}",
               "jobs": len(todo), "minutes": (time.perf_counter() - start) / 60, "vocab_size": data.vocab_size,
               "machine": f"{platform.machine()} CPU, {os.cpu_count()} cores, {jobs} worker process(es)",
-              "load_before": load_before, "load_after": _load()}
+              "load_before": load_before, "load_after": _load(), "claims": [c.number for c in selected]}
+    # Every measurement, before any judging: `--rejudge` rebuilds the report from it without rerunning.
+    save_measurements(output / MEASUREMENTS, {"scale": scale, "results": results, "extra": extra, "header": header})
+    return write_all(output, scale, selected, results, extra, header)
+
+
+MEASUREMENTS = "measurements.pt"
+_SAFE = [Scale, Train, AtInit, Arch]
+
+
+def save_measurements(path: Path, doc: dict) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    torch.save(doc, tmp)
+    tmp.replace(path)
+
+
+def load_measurements(path: Path) -> dict:
+    """A study's saved measurements, read without running code (weights-only unpickling that admits only the
+    study's own frozen dataclasses besides plain containers and numbers)."""
+    if not path.is_file():
+        raise UserError(f"--rejudge: {path} does not exist; give the directory of a finished `normlab study` run")
+    try:
+        with torch.serialization.safe_globals(_SAFE):
+            doc = torch.load(path, weights_only=True)
+    except Exception as e:  # noqa: BLE001 - any unpickling failure is a bad file for the user
+        raise UserError(f"--rejudge: {path} is not a study's measurements file ({type(e).__name__}); rerun the "
+                        "study to write it") from None
+    if not isinstance(doc, dict) or not {"scale", "results", "extra", "header"} <= set(doc):
+        raise UserError(f"--rejudge: {path} lacks the scale/results/extra/header a study writes; rerun the study")
+    return doc
+
+
+def rejudge(output: Path) -> list[tuple[Claim, str]]:
+    """Judge a finished run's measurements again with the committed claims and rewrite its report."""
+    doc = load_measurements(output / MEASUREMENTS)
+    return write_all(output, doc["scale"], select(doc["header"]["claims"]), doc["results"], doc["extra"],
+                     doc["header"])
+
+
+def write_all(output: Path, scale, selected: tuple[Claim, ...], results: dict, extra: dict,
+              header: dict) -> list[tuple[Claim, str]]:
+    contexts = [Context(scale, roles, results, extra) for roles in roles_of(selected, scale).values()]
+    judged = [(claim, verdict, outcomes, ctx, plot(claim.number, ctx, output))
+              for claim, ctx, (verdict, outcomes) in zip(selected, contexts, judge_all(selected, contexts),
+                                                         strict=True)]
     write_report(output, scale, judged, header)
     write_results(output, judged, results, header)
+    write_csvs(output, judged, results)
     return [(c, v) for c, v, *_ in judged]
 
 
@@ -86,11 +129,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--jobs", type=int, default=1, help="worker processes for independent runs (default 1)")
     ap.add_argument("--output", type=Path, default=None, help="report directory (default: runs/study[-quick])")
     ap.add_argument("--data", type=Path, default=None, help="prepared default-corpus directory to use or create")
+    ap.add_argument("--seeds", type=int, default=None,
+                    help="seeds per trained configuration (default 6; --quick 2)")
+    ap.add_argument("--rejudge", action="store_true",
+                    help="judge the measurements saved in the output directory again and rewrite its report "
+                    "(no training)")
     args = ap.parse_args(argv)
     claims = parse_claims(args.claims)
     output = args.output or Path("runs") / ("study-quick" if args.quick else "study")
     print(f"normlab study: writing {output}/report.md", flush=True)
-    verdicts = run_study(output, quick=args.quick, claims=claims, jobs=args.jobs, data_dir=args.data)
+    if args.rejudge:
+        verdicts = rejudge(output)
+    else:
+        verdicts = run_study(output, quick=args.quick, claims=claims, jobs=args.jobs, data_dir=args.data,
+                             seeds=args.seeds)
     for claim, verdict in verdicts:
         print(f"{verdict:<12} {claim.number}. {claim.title}")
     print(f"report: {output / 'report.md'}")

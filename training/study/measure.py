@@ -4,12 +4,16 @@ Runs use the pieces `normlab fit` uses — `model.Transformer`, `training.optim`
 cosine schedule, clip 1.0), `model.probes` — in a plain single-process loop: the grid is many tiny models, where
 Lightning's per-run start-up would cost more than the training. Results are plain dicts (they cross processes
 under `--jobs`).
+
+A seed sets both the initialization and the order of the training batches (`batches` comes from the data module
+with that seed); every trained run is scored on the same held-out batches (`val`).
 """
 from __future__ import annotations
 
 import math
+import statistics
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -17,11 +21,23 @@ import torch
 from model import Transformer
 from model.norms import Norm
 from model.probes import record
+from model.residual import Stream
 from training.optim import OptimConfig, build_optimizer, plain_update
 from training.stats import training_outcome
 from training.study.grid import AtInit, Scale, Train
 
-PROBE_TAGS = ("resid/", "attn/max_logit/", "attn/saturated_frac/")
+PROBE_TAGS = ("resid/", "attn/max_logit/", "attn/saturated_frac/", "outlier/")
+INPUT_SCALES = (0.3, 3.0, 10.0)  # claim 18: the stream entering the middle block, multiplied by k
+
+
+def build(arch, scale: Scale, vocab_size: int, seed: int) -> Transformer:
+    torch.manual_seed(seed)
+    model = Transformer(arch.config(scale, vocab_size))
+    if arch.unit_embedding:  # rescale, not redraw: the random weights stay those of the seed
+        with torch.no_grad():
+            emb = model.tok_embeddings.weight
+            emb.mul_(emb.pow(2).mean().rsqrt())
+    return model
 
 
 def _probe(model: Transformer, tokens: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
@@ -31,13 +47,7 @@ def _probe(model: Transformer, tokens: torch.Tensor) -> tuple[torch.Tensor, dict
     return loss, {k: v for k, v in rec.scalars().items() if k.startswith(PROBE_TAGS)}
 
 
-def norm_inputs(model: Transformer, tokens: torch.Tensor) -> dict[str, dict[str, float]]:
-    """For every stream norm (block and final; not the QK-norms): the input it normalizes on `tokens`, as
-    `mean_over_rms` (token mean of |mean(x)| / RMS(x)) and `ln_vs_rms` (token mean of ‖LN(x) − RMSNorm(x)‖ /
-    ‖RMSNorm(x)‖, both without gains, eps 1e-5) — how far from zero-mean the real activations are, and what
-    centring changes on them."""
-    seen: dict[str, torch.Tensor] = {}
-
+def _norm_input_hooks(model: Transformer, seen: dict[str, torch.Tensor]) -> list:
     def hook(name: str):
         def pre(module, args, kwargs):
             x = args[0]
@@ -45,8 +55,19 @@ def norm_inputs(model: Transformer, tokens: torch.Tensor) -> dict[str, dict[str,
             seen[name] = (x if residual is None else x + residual).detach().double()
         return pre
 
-    handles = [m.register_forward_pre_hook(hook(n), with_kwargs=True) for n, m in model.named_modules()
-               if isinstance(m, Norm) and not n.endswith(("q_norm", "k_norm"))]
+    return [m.register_forward_pre_hook(hook(n), with_kwargs=True) for n, m in model.named_modules()
+            if isinstance(m, Norm) and not n.endswith(("q_norm", "k_norm"))]
+
+
+def norm_inputs(model: Transformer, tokens: torch.Tensor) -> dict[str, dict[str, float]]:
+    """For every stream norm (block and final; not the QK-norms): the input it normalizes on `tokens`, as
+    - `mean_over_rms`: token mean of |mean(x)| / RMS(x) (√(2/(πd)) ≈ 0.1 at d = 64 for isotropic noise);
+    - `isotropy`: d·E[mean(x)²] / E[RMS(x)²] over tokens — 1 when the features are isotropic zero-mean noise,
+      whatever the width; large when the tokens share a mean offset;
+    - `ln_vs_rms`: token mean of ‖LN(x) − RMSNorm(x)‖ / ‖RMSNorm(x)‖, both without gains, eps 1e-5 —
+    how far from zero-mean the real activations are, and what centring changes on them."""
+    seen: dict[str, torch.Tensor] = {}
+    handles = _norm_input_hooks(model, seen)
     try:
         with torch.no_grad():
             model(tokens[:, :-1])
@@ -55,12 +76,32 @@ def norm_inputs(model: Transformer, tokens: torch.Tensor) -> dict[str, dict[str,
             h.remove()
     out = {}
     for name, x in seen.items():
+        d = x.shape[-1]
         mean, ms = x.mean(-1), x.pow(2).mean(-1)
         rms_n = x / (ms[..., None] + 1e-5).sqrt()
         ln = (x - mean[..., None]) / (x.var(-1, unbiased=False)[..., None] + 1e-5).sqrt()
         out[name] = {"mean_over_rms": (mean.abs() / ms.sqrt().clamp_min(1e-30)).mean().item(),
+                     "isotropy": (d * mean.pow(2).mean() / ms.mean().clamp_min(1e-300)).item(),
                      "ln_vs_rms": ((ln - rms_n).norm(dim=-1) / rms_n.norm(dim=-1)).mean().item()}
     return out
+
+
+def dim_spread(model: Transformer, tokens: torch.Tensor) -> float:
+    """log(largest / median per-dimension RMS) of the final norm's input over the tokens of `tokens` (claim 19:
+    "some dimensions grow large, others stay small"); NaN for a model without a final norm."""
+    if model.norm is None:
+        return math.nan
+    seen: dict[str, torch.Tensor] = {}
+    handles = _norm_input_hooks(model, seen)
+    try:
+        with torch.no_grad():
+            model(tokens[:, :-1])
+    finally:
+        for h in handles:
+            h.remove()
+    x = seen["norm"].reshape(-1, seen["norm"].shape[-1])
+    per_dim = x.pow(2).mean(0).sqrt()
+    return math.log(per_dim.max().item() / per_dim.median().clamp_min(1e-300).item())
 
 
 def qk_gains(model: Transformer) -> dict[str, float]:
@@ -75,13 +116,57 @@ def qk_gains(model: Transformer) -> dict[str, float]:
     return out
 
 
-def train_run(spec: Train, seed: int, scale: Scale, batches: Iterator[torch.Tensor], vocab_size: int) -> dict:
-    """Train `spec` at `seed`; probes at step 0 (the init audit), half-way, and after the last step."""
-    torch.manual_seed(seed)
-    model = Transformer(spec.arch.config(scale, vocab_size))
-    optim = OptimConfig(lr=spec.lr, min_lr=spec.lr / 10, warmup_steps=spec.steps // 10 if spec.warmup else 0,
+def _writers(model: Transformer) -> list[torch.Tensor]:
+    """Per block, the two matrices that write to the stream (attention's o_proj, the MLP's down_proj)."""
+    return [w for b in model.layers for w in (b.attn.o_proj.weight, b.mlp.down_proj.weight)]
+
+
+def val_loss(model: Transformer, val: Sequence[torch.Tensor]) -> float:
+    """Mean loss over the held-out batches (+inf when non-finite)."""
+    with torch.no_grad():
+        loss = statistics.fmean(model(t[:, :-1], targets=t[:, 1:]).item() for t in val)
+    return loss if math.isfinite(loss) else math.inf
+
+
+def block_ablation(model: Transformer, val: Sequence[torch.Tensor]) -> list[float]:
+    """Per block l, the held-out loss with block l skipped (its output replaced by its input): against the
+    intact model's, how much the trained model needs that block (Sun et al. 2025's layer-pruning measure of
+    "barely felt")."""
+    out = []
+    for block in model.layers:
+        handle = block.register_forward_hook(lambda module, args, output: args[0])
+        try:
+            out.append(val_loss(model, val))
+        finally:
+            handle.remove()
+    return out
+
+
+def input_scaling(model: Transformer, val: Sequence[torch.Tensor]) -> dict[float, float]:
+    """Per k in INPUT_SCALES, the held-out loss with the stream entering the middle block multiplied by k
+    (claim 18: a block "handed an input ten times larger")."""
+    block = model.layers[len(model.layers) // 2]
+    out = {}
+    for k in INPUT_SCALES:
+        def scale(module, args, k=k):
+            return (Stream(args[0].value() * k), *args[1:])
+        handle = block.register_forward_pre_hook(scale)
+        try:
+            out[k] = val_loss(model, val)
+        finally:
+            handle.remove()
+    return out
+
+
+def train_run(spec: Train, seed: int, scale: Scale, batches: Iterator[torch.Tensor], val: Sequence[torch.Tensor],
+              vocab_size: int) -> dict:
+    """Train `spec` at `seed` on `batches`; probes at step 0 (the init audit), half-way, and after the last step,
+    then the held-out measurements of the trained model."""
+    model = build(spec.arch, scale, vocab_size, seed)
+    optim = OptimConfig(lr=spec.lr, min_lr=spec.lr / 10, warmup_steps=round(spec.steps * spec.warmup),
                         weight_decay=0.1)
     opt, schedule = build_optimizer(model, optim, spec.steps)
+    w0 = [w.detach().clone() for w in _writers(model)]
     out: dict[str, Any] = {"losses": [], "probes": {}, "diverged_at": None}
     start = time.perf_counter()
     for step in range(spec.steps + 1):
@@ -89,28 +174,41 @@ def train_run(spec: Train, seed: int, scale: Scale, batches: Iterator[torch.Tens
         if step == spec.steps:  # a measurement only: the trained model's probes
             loss, out["probes"][step] = _probe(model, tokens)
             out["norm_inputs"] = norm_inputs(model, tokens)
+            out["dim_spread"] = dim_spread(model, tokens)
             break
         if step in (0, spec.steps // 2):
             loss, out["probes"][step] = _probe(model, tokens)
+            if step == 0:
+                out["dim_spread_init"] = dim_spread(model, tokens)
         else:
             loss = model(tokens[:, :-1], targets=tokens[:, 1:])
         if not torch.isfinite(loss):
             out["diverged_at"] = step
             break
-        plain_update(model, opt, schedule, loss)
+        plain_update(model, opt, schedule, loss, clip=1.0 if spec.clip else math.inf)
         out["losses"].append(loss.item())
-    out["gains"] = qk_gains(model)
     out["seconds"] = time.perf_counter() - start
+    out["gains"] = qk_gains(model)
+    head = model.output.weight if model.output is not None else model.tok_embeddings.weight
+    out["head_rms"] = head.detach().pow(2).mean().sqrt().item()
+    out["drift"] = [((w.detach() - w_0).norm() / w_0.norm()).item() for w, w_0 in zip(_writers(model), w0,
+                                                                                       strict=True)]
+    out["val_loss"] = math.inf if out["diverged_at"] is not None else val_loss(model, val)
+    if math.isfinite(out["val_loss"]):
+        out["input_scaling"] = input_scaling(model, val)
+        if spec.ablate:
+            out["ablation"] = block_ablation(model, val)
     return out
 
 
 def final_loss(result: dict) -> float:
-    """Mean training loss over the last 10% of steps; +inf for a run whose loss became non-finite."""
-    if result["diverged_at"] is not None:
-        return math.inf
-    losses = result["losses"]
-    tail = losses[-max(1, len(losses) // 10):]
-    return sum(tail) / len(tail)
+    """The trained model's held-out loss; +inf for a run whose loss became non-finite."""
+    return result["val_loss"]
+
+
+def initial_loss(result: dict) -> float:
+    """The loss at the first step (the untrained model's)."""
+    return result["losses"][0] if result["losses"] else math.inf
 
 
 def outcome(result: dict) -> str:
@@ -120,14 +218,16 @@ def outcome(result: dict) -> str:
 
 def at_init(spec: AtInit, seed: int, scale: Scale, tokens: torch.Tensor, vocab_size: int) -> dict:
     """One at-init measurement of `spec` at `seed` on the real batch `tokens` [B, T+1]."""
-    torch.manual_seed(seed)
-    model = Transformer(spec.arch.config(scale, vocab_size))
+    model = build(spec.arch, scale, vocab_size, seed)
     if spec.what == "profile":
         _, probes = _probe(model, tokens)
         return {"probes": probes}
+    model(tokens[:, :-1], targets=tokens[:, 1:]).backward()
     if spec.what == "xiong":
-        model(tokens[:, :-1], targets=tokens[:, 1:]).backward()
         return {"w2_grad": [b.mlp.down_proj.weight.grad.norm().item() for b in model.layers]}
+    if spec.what == "grads":
+        return {"block_grad": [torch.stack([p.grad.norm() for p in b.parameters() if p.grad is not None]).norm().item()
+                               for b in model.layers]}
     raise ValueError(f"unknown at-init measurement {spec.what!r}")
 
 

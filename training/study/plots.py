@@ -7,8 +7,9 @@ from pathlib import Path
 
 import numpy as np
 
+from training.stats import capped_loss
 from training.study.judge import Context, probes, stream_profile
-from training.study.measure import final_loss
+from training.study.measure import final_loss, initial_loss
 
 SMOOTH = 10  # steps of the moving average over training losses
 
@@ -53,26 +54,46 @@ def _profile(ctx: Context, role: str, key: Callable[[dict, int], list[float]]) -
     return list(range(1, len(per_seed[0]) + 1)), per_seed
 
 
+def _lr_curve(ax, ctx: Context, family: str, label: str, stat=None, **kw) -> None:
+    """Per seed, a statistic (default: the held-out loss, a diverged run at its loss at init) across the
+    family's learning rates, as a mean ± sd band."""
+    roles = ctx.family(family)
+    lrs = [ctx.roles[r].lr for r in roles]
+    stat = stat or (lambda r, spec: capped_loss(final_loss(r), initial_loss(r)))
+    per_lr = [[stat(r, ctx.roles[role]) for r in ctx.runs(role)] for role in roles]
+    band(ax, lrs, list(zip(*per_lr, strict=True)), label, marker="o", **kw)
+    ax.set(xlabel="peak learning rate", xscale="log")
+
+
 def residual_growth(ctx: Context, ax_pair) -> None:
     for ax, when in zip(ax_pair, ("init", "trained"), strict=True):
         for init in ("normal", "scaled", "depth"):
             x, ys = _profile(ctx, f"{when}-{init}", stream_profile)
-            band(ax, x, ys, f"init {init}", marker=".")
-        ax.set(xlabel="blocks applied (last point: final-norm input)", ylabel="stream RMS (linear)",
-               title=f"pre-norm RMSNorm, {ctx.spec('init-normal').arch.layers} layers, "
-                     f"{'at init' if when == 'init' else 'after training'}")
+            band(ax, x, ys, f"init {init}" + ("" if when == "init" else f", {ctx.spec(f'trained-{init}').steps} steps"),
+                 marker=".")
+        ax.set(xlabel="blocks applied", ylabel="stream RMS", xscale="log", yscale="log",
+               title="at init" if when == "init" else "after training")
+    x, ys = _profile(ctx, "long", stream_profile)
+    band(ax_pair[1], x, ys, f"init normal, {ctx.spec('long').steps} steps", marker="x")
+    for ax in ax_pair:
         ax.legend(fontsize=7)
 
 
 def update_ratio(ctx: Context, ax_pair) -> None:
-    for ax, sub in zip(ax_pair, ("attn", "mlp"), strict=True):
-        for role, label in (("init-normal", "at init"), ("trained-normal", "after training")):
+    runs = [r for r in ctx.runs("long") if "ablation" in r]
+    if runs:
+        band(ax_pair[0], range(len(runs[0]["ablation"])), [[x - r["val_loss"] for x in r["ablation"]] for r in runs],
+             "one block removed", marker="o")
+        ax_pair[0].set(xlabel="block removed", ylabel="held-out loss increase (nats)", yscale="symlog",
+                       title=f"block ablation after {ctx.spec('long').steps} steps")
+        ax_pair[0].legend(fontsize=7)
+    for sub in ("attn", "mlp"):
+        for role, label in (("init-normal", "at init"), ("long", "after the long run")):
             x, ys = _profile(ctx, role, lambda p, L, sub=sub: [p[f"resid/update_ratio/{sub}/L{l}"]
-                                                               for l in range(1, L)])
-            band(ax, x, ys, label, marker=".")
-        ax.set(xlabel="block l (≥ 1)", ylabel=f"{sub} update RMS / stream RMS", xscale="log", yscale="log",
-               title=f"{sub}: relative contribution (log-log; the claim's slope)")
-        ax.legend(fontsize=7)
+                                                                for l in range(1, L)])
+            band(ax_pair[1], x, ys, f"{sub}, {label}", marker=".")
+    ax_pair[1].set(xlabel="block l (≥ 1)", ylabel="update RMS / stream RMS", xscale="log", yscale="log")
+    ax_pair[1].legend(fontsize=7)
 
 
 def xiong_w2(ctx: Context, ax_pair) -> None:
@@ -91,45 +112,40 @@ def xiong_w2(ctx: Context, ax_pair) -> None:
         ax.legend(fontsize=7)
 
 
-def post_vs_pre(ctx: Context, axes) -> None:
-    warmups = {"warm": "warm-up", "nowarm": "no warm-up"}
-    for i, ax in enumerate(axes):
-        _loss_bands(ax, ctx, {f"{p}-{w}@{i}": f"{p}-LN, {text}"
-                              for p in ("post", "pre") for w, text in warmups.items()})
-        spec = ctx.spec(f"post-warm@{i}")
-        ax.set(title=f"LayerNorm, lr {spec.lr:g}, {spec.arch.layers} layers")
+def post_vs_pre(ctx: Context, ax_pair) -> None:
+    for ax, p in zip(ax_pair, ("post", "pre"), strict=True):
+        for wi, warm in enumerate(ctx.scale.warmups):
+            _lr_curve(ax, ctx, f"{p}-w{wi}", f"warm-up {warm:.0%}")
+        ax.set(ylabel="held-out loss (nats/token)", title=f"{p}-LN, {ctx.scale.mid} layers")
+        ax.legend(fontsize=7)
 
 
 def qk_sweep(ctx: Context, ax_pair) -> None:
-    lrs = sorted({ctx.roles[r].lr for r in ctx.roles})
     for qk in ("none", "head", "full"):
-        roles = [f"{qk}@{i}" for i in range(len(lrs))]
-        losses = [[min(final_loss(r), 12.0) for r in ctx.runs(role)] for role in roles]
-        band(ax_pair[0], lrs, list(zip(*losses, strict=True)), f"QK-norm {qk}", marker="o")
-        logits = [[max(probes(r, ctx.spec(role))[f"attn/max_logit/L{l}"] for l in range(ctx.spec(role).arch.layers))
-                   for r in ctx.runs(role)] for role in roles]
-        band(ax_pair[1], lrs, list(zip(*logits, strict=True)), f"QK-norm {qk}", marker="o")
-    ax_pair[0].set(xlabel="peak learning rate", ylabel="final train loss (nats/token)", xscale="log",
-                   title="LR sensitivity")
-    ax_pair[1].set(xlabel="peak learning rate", ylabel="max attention logit after training", xscale="log",
-                   yscale="log", title="attention logits")
+        _lr_curve(ax_pair[0], ctx, qk, f"QK-norm {qk}")
+        _lr_curve(ax_pair[1], ctx, qk, f"QK-norm {qk}", stat=lambda r, spec: max(
+            probes(r, spec)[f"attn/max_logit/L{l}"] for l in range(spec.arch.layers)))
+    ax_pair[0].set(ylabel="held-out loss (nats/token)", title="LR sensitivity")
+    ax_pair[1].set(ylabel="max attention logit after training", yscale="log", title="attention logits")
     for ax in ax_pair:
         ax.legend(fontsize=7)
 
 
 def rms_vs_ln(ctx: Context, ax_pair) -> None:
     _loss_bands(ax_pair[0], ctx, {"rmsnorm": "RMSNorm", "layernorm": "LayerNorm (with β)"})
-    ax_pair[0].set(title="pre-norm, biases on")
-    ratios = ctx.extra.get("op_ratios")
-    if ratios:
-        ax_pair[1].boxplot(list(ratios.values()), tick_labels=list(ratios))
-        ax_pair[1].axhline(1.0, color="grey", lw=0.8)
-        ax_pair[1].set(ylabel="time RMSNorm / LayerNorm (fwd+bwd)", title=f"op timing, shape {ctx.extra['op_shape']}")
+    ax_pair[0].set(title=f"pre-norm, biases on, width {ctx.scale.dim}")
+    widths = ctx.scale.widths
+    for norm in ("rmsnorm", "layernorm"):
+        per_w = [[final_loss(r) for r in ctx.runs(norm + (f"-w{i}" if i else ""))] for i in range(len(widths))]
+        band(ax_pair[1], widths, list(zip(*per_w, strict=True)), norm, marker="o")
+    ax_pair[1].set(xlabel="width", ylabel="held-out loss (nats/token)", xscale="log", title="width ladder")
+    ax_pair[1].legend(fontsize=7)
 
 
 def zero_mean(ctx: Context, ax_pair) -> None:
-    for ax, key, label in zip(ax_pair, ("mean_over_rms", "ln_vs_rms"),
-                              ("|mean| / RMS of the norm input", "‖LN(x) − RMSNorm(x)‖ / ‖RMSNorm(x)‖"), strict=True):
+    for ax, key, label in zip(ax_pair, ("isotropy", "ln_vs_rms"),
+                              ("d·E[mean²]/E[RMS²] of the norm input (1 = isotropic)",
+                               "‖LN(x) − RMSNorm(x)‖ / ‖RMSNorm(x)‖"), strict=True):
         for role in ("rmsnorm", "layernorm"):
             runs = [r for r in ctx.runs(role) if "norm_inputs" in r]
             if not runs:
@@ -139,6 +155,7 @@ def zero_mean(ctx: Context, ax_pair) -> None:
                  f"{role} model, trained", marker=".")
         ax.set(xlabel="norm (block order; last: final norm)", ylabel=label, title="trained activations")
         ax.legend(fontsize=7)
+    ax_pair[0].axhline(2.0, color="grey", lw=0.8)
 
 
 def no_norm(ctx: Context, ax_pair) -> None:
@@ -150,36 +167,46 @@ def no_norm(ctx: Context, ax_pair) -> None:
         ax_pair[0].set(xlabel="layer", ylabel="RMS of the layer's input", yscale="log",
                        title="toy: 24 random residual layers, d=512")
         ax_pair[0].legend(fontsize=7)
-    for role, label in (("init-none", "no norm"), ("init-rms", "RMSNorm")):
-        x, ys = _profile(ctx, role, lambda p, L: [p[f"resid/read_rms/attn/L{l}"] for l in range(L)])
-        band(ax_pair[1], x, ys, label, marker=".")
+    for i, std in enumerate(ctx.scale.init_stds[:2]):
+        for role, label in ((f"none-std{i}", "no norm"), (f"rms-std{i}", "RMSNorm")):
+            x, ys = _profile(ctx, role, lambda p, L: [p[f"resid/read_rms/attn/L{l}"] for l in range(L)])
+            band(ax_pair[1], x, ys, f"{label}, init std {std:g}", marker=".")
     ax_pair[1].set(xlabel="block", ylabel="RMS of the attention sublayer's input", yscale="log",
                    title="real model at init (pre-norm placement)")
     ax_pair[1].legend(fontsize=7)
 
 
 def placements(ctx: Context, ax_pair) -> None:
-    for role in ("pre", "sandwich", "output"):
-        x, ys = _profile(ctx, role, lambda p, L: [(p[f"resid/update_rms/attn/L{l}"] + p[f"resid/update_rms/mlp/L{l}"])
-                                                  / 2 for l in range(1, L)])
-        band(ax_pair[0], x, ys, role, marker="o")
-    ax_pair[0].set(xlabel="block l (≥ 1)", ylabel="update RMS (attn, mlp mean)", yscale="log",
-                   title=f"after training at lr {ctx.spec('pre').lr:g}")
-    ax_pair[0].legend(fontsize=7)
-    _loss_bands(ax_pair[1], ctx, {"pre": "pre", "sandwich": "sandwich", "output": "output"})
+    for p in ("pre", "sandwich", "output"):
+        _lr_curve(ax_pair[0], ctx, p, p, stat=lambda r, spec: probes(r, spec)["resid/final_in"])
+        _lr_curve(ax_pair[1], ctx, p, p)
+    ax_pair[0].set(ylabel="final stream RMS after training", yscale="log", title="stream growth")
+    ax_pair[1].set(ylabel="held-out loss (nats/token)", title="loss")
+    for ax in ax_pair:
+        ax.legend(fontsize=7)
 
 
 def final_norm(ctx: Context, ax_pair) -> None:
     _loss_bands(ax_pair[0], ctx, {"final": "with final norm", "no-final": "without"})
-    ax_pair[0].set(title="pre-norm RMSNorm")
-    ax_pair[1].axis("off")
+    ax_pair[0].set(title=f"pre-norm RMSNorm, {ctx.spec('final').arch.layers} layers")
+    _loss_bands(ax_pair[1], ctx, {"deep-final": "with final norm", "deep-no-final": "without"})
+    ax_pair[1].set(title=f"pre-norm RMSNorm, {ctx.spec('deep-final').arch.layers} layers")
+
+
+def no_norm_lr(ctx: Context, ax_pair) -> None:
+    _lr_curve(ax_pair[0], ctx, "none", "no norm")
+    _lr_curve(ax_pair[0], ctx, "rms", "RMSNorm")
+    ax_pair[0].set(ylabel="held-out loss (nats/token; diverged = loss at init)",
+                   title=f"{ctx.spec('none@0').arch.layers} layers")
+    ax_pair[0].legend(fontsize=7)
+    _loss_bands(ax_pair[1], ctx, {r: f"no norm, lr {ctx.roles[r].lr:g}" for r in ctx.family("none")})
 
 
 PLOTS: dict[int, tuple[str, Callable]] = {
     1: ("residual_growth.png", residual_growth), 2: ("update_ratio.png", update_ratio),
     4: ("post_vs_pre.png", post_vs_pre), 5: ("xiong_w2.png", xiong_w2), 6: ("qk_sweep.png", qk_sweep),
     7: ("rms_vs_ln.png", rms_vs_ln), 8: ("zero_mean.png", zero_mean), 9: ("no_norm.png", no_norm),
-    10: ("placements.png", placements), 12: ("final_norm.png", final_norm),
+    10: ("placements.png", placements), 12: ("final_norm.png", final_norm), 17: ("no_norm_lr.png", no_norm_lr),
 }
 
 
@@ -189,7 +216,7 @@ def plot(number: int, ctx: Context, out: Path) -> str | None:
         return None
     name, draw = PLOTS[number]
     plt = _plt()
-    panels = len(ctx.scale.post_depths) if number == 4 else 2
+    panels = 2
     fig, axes = plt.subplots(1, panels, figsize=(5.5 * panels, 4), squeeze=False)
     draw(ctx, list(axes[0]))
     fig.tight_layout()

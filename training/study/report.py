@@ -1,26 +1,162 @@
-"""The study's report (report.md) and its machine-readable twin (results.json), both written atomically."""
+"""The study's report (report.md), its machine-readable twin (results.json) and the per-seed measurements
+(measurements.csv, runs.csv), all written atomically."""
 from __future__ import annotations
 
+import csv
+import io
 import json
 import math
+import statistics
 from collections import Counter
 from pathlib import Path
 
 from training.checkpointing.layout import write_text_atomic
-from training.stats import estimate
-from training.study.claims import Claim
+from training.stats import ALPHA, estimate
+from training.study.claims import MECHANISM, PRIMARY, REPORT, REVISIONS, SECONDARY, Claim
 from training.study.grid import AtInit, Scale, Train
-from training.study.judge import Context, Outcome
+from training.study.judge import STATISTICS, Context, Outcome, best_lr_index
 from training.study.measure import final_loss, outcome
+
+TIER_LABEL = {PRIMARY: "primary", SECONDARY: "secondary", MECHANISM: "mechanism check", REPORT: "report"}
+
+
+def _ci(e) -> str:
+    if e is None or not math.isfinite(e.mean):
+        return "—" if e is None else f"{e.mean}"
+    if e.n < 2 or not math.isfinite(e.lo):
+        return f"{e.mean:.3g} (n={e.n})"
+    return f"{e.mean:.3g} [{e.lo:.3g}, {e.hi:.3g}] (n={e.n}, df {e.df:.0f})"
+
+
+def _fmt(x: float) -> str:
+    return f"{x:.3g}" if isinstance(x, float) else str(x)
+
+
+def _per_seed(o: Outcome) -> str:
+    a = ", ".join(_fmt(x) for x in o.samples_a)
+    if o.samples_b is None:
+        return a
+    return f"{o.test.a}: {a} / {o.test.b}: " + ", ".join(_fmt(x) for x in o.samples_b)
+
+
+def _mean(ctx: Context, stat: str, role: str, **params) -> float:
+    xs = [x for x in STATISTICS[stat](ctx, role, **params) if math.isfinite(x)]
+    return statistics.fmean(xs) if xs else math.nan
+
+
+def _by_id(outcomes: list[Outcome]) -> dict[str, Outcome]:
+    return {o.test.id: o for o in outcomes}
+
+
+# Readings: measured, from the run's own numbers. Anything not measured is worded as a hypothesis.
+def _reading_2(ctx: Context, o: dict[str, Outcome]) -> str:
+    return (f"Measured: on the long run the blocks' update RMS grows with depth at a log-log slope of "
+            f"{_ci(o['2f'].a)} (2f) while the stream grows at {_mean(ctx, 'growth_slope', 'long'):.3g} (1a), so "
+            "the update ratio's slope (2b, 2c) is their difference.")
+
+
+def _reading_3(ctx: Context, o: dict[str, Outcome]) -> str:
+    d = o["3a"].judged
+    direction = "reversed (the scaled init grows more)" if d.mean < 0 else "in the claimed direction"
+    return (f"Measured: training moved the stream-writing matrices by {o['3f'].a.mean:.2f} (normal init) and "
+            f"{o['3g'].a.mean:.2f} (scaled init) of their initial norm (3f, 3g); 3a's point estimate is "
+            f"{direction}.")
+
+
+def _reading_5(ctx: Context, o: dict[str, Outcome]) -> str:
+    cells = {r: _mean(ctx, "w2_top_heavy", r) for r in ctx.roles if r.startswith("post-")}
+    if not cells:
+        return ""
+    top = max(cells, key=cells.get)
+    return (f"Measured (table below): post-LN's log(last/first ‖∇W²‖) ranges from {min(cells.values()):.2f} to "
+            f"{max(cells.values()):.2f} over inits × embeddings × depths; the most top-heavy cell is `{top}` "
+            f"(×{math.exp(cells[top]):.2f}). Width does not enter: the review's check at d = 64, 256, 512 found the "
+            "same flat post-LN profile.")
+
+
+def _reading_6(ctx: Context, o: dict[str, Outcome]) -> str:
+    lr = ctx.spec("none@-1").lr
+    return (f"Measured (6e): at lr {lr:g} without QK-norm {o['6e'].a.mean:.0%} of attention rows are saturated "
+            f"(max probability ≥ 0.99), against {o['6e'].b.mean:.0%} with it; the largest logit is "
+            f"{math.exp(o['6d'].a.mean):.0f} against {math.exp(o['6d'].b.mean):.0f} (6d). The softmax does saturate; "
+            "6a and 6b say what that costs in loss.")
+
+
+def _reading_12(ctx: Context, o: dict[str, Outcome]) -> str:
+    rms = {r: _mean(ctx, "log_final_rms", r) for r in ("deep-final", "deep-no-final")}
+    head = {r: statistics.fmean(x["head_rms"] for x in ctx.runs(r)) for r in ("deep-final", "deep-no-final")}
+    return (f"Measured (24 layers): the final stream's RMS is {math.exp(rms['deep-no-final']):.2f} without the "
+            f"final norm and {math.exp(rms['deep-final']):.2f} with it; the LM head's weight RMS is "
+            f"{head['deep-no-final']:.3f} and {head['deep-final']:.3f}. Hypothesis: the head absorbs the stream's "
+            "scale when it grows little.")
+
+
+def _reading_14(ctx: Context, o: dict[str, Outcome]) -> str:
+    return (f"Measured (14e): without gradient clipping post-LN's held-out loss at the highest LR and no warm-up "
+            f"changes by {_ci(o['14e'].diff)} nats, so clipping is {'not ' if abs(o['14e'].diff.mean) < 0.05 else ''}"
+            "what bounds it here.")
+
+
+def _reading_17(ctx: Context, o: dict[str, Outcome]) -> str:
+    return (f"Measured: the no-norm model's best LR is {ctx.spec(ctx.family('none')[best_lr_index(ctx, 'none')]).lr:g} "
+            f"and RMSNorm's {ctx.spec(ctx.family('rms')[best_lr_index(ctx, 'rms')]).lr:g}; the largest LR whose "
+            f"run trains: {o['17c'].a.mean:.2g} (no norm) and {o['17d'].a.mean:.2g} (RMSNorm), means over seeds.")
+
+
+READINGS = {2: _reading_2, 3: _reading_3, 5: _reading_5, 6: _reading_6, 12: _reading_12, 14: _reading_14,
+            17: _reading_17}
+
+
+def _trend(claim: Claim, ctx: Context) -> list[str]:
+    """Scale ladders as tables: claim 1's at-init growth slope over width × depth; claim 5's post/pre-LN
+    log(last/first ‖∇W²‖) over init × embedding × depth; claim 9's read growth over the init std."""
+    s = ctx.scale
+    if claim.number == 1:
+        rows = ["| width \\ depth | " + " | ".join(f"L{L}" for L in s.ladder_depths) + " |",
+                "|---" * (len(s.ladder_depths) + 1) + "|"]
+        for w in s.ladder_widths:
+            cells = []
+            for L in s.ladder_depths:
+                e = estimate(STATISTICS["growth_slope"](ctx, f"ladder-d{w}-L{L}"))
+                cells.append(f"{e.mean:.2f} ± {e.sd:.2f}")
+            rows.append(f"| d{w} | " + " | ".join(cells) + " |")
+        return ["At init, the stream's growth slope (mean ± sd over "
+                f"{s.ladder_seeds} seeds) across widths and depths:", ""] + rows
+    if claim.number == 5:
+        rows = ["| init | embedding | placement | " + " | ".join(f"L{L}" for L in s.xiong_depths) + " |",
+                "|---" * (len(s.xiong_depths) + 3) + "|"]
+        for init in ("xavier", "invsqrt", "std02"):
+            for emb in ("e02", "unit"):
+                for p in ("post", "pre"):
+                    cells = [f"{_mean(ctx, 'w2_top_heavy', f'{p}-{init}-{emb}@{i}'):.2f}"
+                             for i in range(len(s.xiong_depths))]
+                    rows.append(f"| {init} | {emb} | {p} | " + " | ".join(cells) + " |")
+        return ["At init, log(last/first layer ‖∇W²‖) (mean over "
+                f"{s.ladder_seeds} seeds): init xavier, σ = 1/√d ('invsqrt') or σ = 0.02 ('std02'); embedding "
+                "σ = 0.02 ('e02') or rescaled to unit RMS ('unit'):", ""] + rows
+    if claim.number == 9:
+        rows = ["| init std | no norm: log read growth | RMSNorm | no-norm seeds non-finite |", "|---|---|---|---|"]
+        for i, std in enumerate(s.init_stds):
+            nf = sum(STATISTICS["non_finite"](ctx, f"none-std{i}"))
+            rows.append(f"| {std:.3g} | {_mean(ctx, 'log_read_growth', f'none-std{i}'):.3g} | "
+                        f"{_mean(ctx, 'log_read_growth', f'rms-std{i}'):.3g} | {nf:.0f}/{s.init_seeds} |")
+        return ["At init, 24 layers, log(last/first block's sublayer-input RMS) by init std:", ""] + rows
+    return []
 
 
 def _role_rows(ctx: Context) -> list[str]:
-    rows = ["| role | configuration | seeds | final loss (mean ± sd) | outcome per seed |", "|---|---|---|---|---|"]
+    rows = ["| role | configuration | seeds | held-out loss (mean ± sd) | outcome per seed |", "|---|---|---|---|---|"]
     for role, spec in ctx.roles.items():
+        if isinstance(spec, AtInit) and spec.ladder:
+            continue
         runs = ctx.results[spec]
         if isinstance(spec, Train):
-            loss = estimate([final_loss(r) for r in runs])
-            loss_s = f"{loss.mean:.3f} ± {loss.sd:.3f}" if math.isfinite(loss.mean) else "diverged"
+            losses = [final_loss(r) for r in runs]
+            finite = [x for x in losses if math.isfinite(x)]
+            loss = estimate(finite) if finite else None
+            loss_s = "diverged" if loss is None else f"{loss.mean:.3f} ± {loss.sd:.3f}"
+            if loss is not None and len(finite) < len(losses):
+                loss_s += f" ({len(finite)} that trained)"
             outcomes = ", ".join(f"{k} ×{v}" for k, v in Counter(outcome(r) for r in runs).items())
         else:
             loss_s, outcomes = "— (at init)", "—"
@@ -28,71 +164,168 @@ def _role_rows(ctx: Context) -> list[str]:
     return rows
 
 
+def _margin(o: Outcome) -> str:
+    t = o.test
+    if t.kind in ("less", "greater") and t.threshold and not t.margin:
+        return f"threshold {t.threshold:.3g}"
+    return "—" if t.margin is None else f"±{t.margin:.3g}"
+
+
 def claim_section(claim: Claim, verdict: str, outcomes: list[Outcome], ctx: Context, plot: str | None) -> list[str]:
-    lines = [f"## {claim.number}. {claim.title} — **{verdict}**", "", f"Source: {claim.source}.", ""]
-    lines += ["| test | verdict | numbers |", "|---|---|---|"]
-    lines += [f"| {o.test.id}: {o.test.text} | **{o.verdict}** | {o.numbers()} |" for o in outcomes]
+    lines = [f"## {claim.number}. {claim.title} — **{verdict}**", "", f"Source: {claim.source}."]
+    if claim.limits:
+        lines += ["", f"Limits of this setup (stated before the run): {claim.limits}"]
+    lines += ["", "| test | kind | margin | verdict | estimate [95% CI] | numbers | per seed |",
+              "|---|---|---|---|---|---|---|"]
+    for o in outcomes:
+        lines.append(f"| {o.test.id}: {o.test.text} | {TIER_LABEL[o.test.tier]} | {_margin(o)} | **{o.verdict}** | "
+                     f"{_ci(o.judged)} | {o.numbers()} | {_per_seed(o)} |")
     if claim.number == 9 and "toy" in ctx.extra:
         toy = ctx.extra["toy"]
         lines += ["", "Toy, RMS seen by layer (no norm / with norm): "
                   + "; ".join(f"layer {l}: {a:.1f} / {b:.1f}" for l, (a, b) in sorted(toy.items()))]
-    if claim.number == 7 and "op_ratios" in ctx.extra:
-        lines += ["", f"Op timing: fp32, input {ctx.extra['op_shape']}, forward+backward, one thread, "
-                  f"{len(next(iter(ctx.extra['op_ratios'].values())))} interleaved rounds."]
-    if verdict != "PASS" and claim.if_not_pass:
-        lines += ["", f"Reading: {claim.if_not_pass}"]
-    lines += ["", "Runs:", ""] + _role_rows(ctx)
+    if claim.number == 21 and "op_shape" in ctx.extra:
+        lines += ["", "Timing: fp32, forward+backward, one thread, candidates alternating within each round; one "
+                  "ratio per round. Rounds are serially correlated (machine load drifts), so the t-interval is "
+                  "optimistic; the median and IQR per row: " + "; ".join(
+                      f"{k} {statistics.median(v):.3f} (IQR {_iqr(v)})" for k, v in ctx.extra["timing"].items()
+                      if v and all(math.isfinite(x) for x in v)) + "."]
+    trend = _trend(claim, ctx)
+    if trend:
+        lines += [""] + trend
+    reading = READINGS.get(claim.number)
+    text = reading(ctx, _by_id(outcomes)) if reading else ""
+    if not text and verdict != "PASS" and claim.if_not_pass:
+        text = claim.if_not_pass
+    elif text and verdict != "PASS" and claim.if_not_pass and claim.number not in (12,):
+        text += " " + claim.if_not_pass
+    if text:
+        lines += ["", f"Reading: {text}"]
+    if ctx.roles:
+        lines += ["", "Runs:", ""] + _role_rows(ctx)
     if plot:
         lines += ["", f"![claim {claim.number}]({plot})"]
     return lines + [""]
 
 
-def write_report(out: Path, scale: Scale, judged: list[tuple[Claim, str, list[Outcome], Context, str | None]],
-                 header: dict) -> None:
-    """report.md: the setup, a verdict table, then one section per claim."""
+def _iqr(v: list[float]) -> str:
+    q = statistics.quantiles(v, n=4) if len(v) > 1 else [v[0]] * 3
+    return f"{q[0]:.3f}–{q[2]:.3f}"
+
+
+def summary_rows(judged: list) -> list[str]:
+    rows = ["| claim | primary test | margin | verdict | effect [95% CI] | power at the margin | MDE (80%) |",
+            "|---|---|---|---|---|---|---|"]
+    for claim, verdict, outcomes, _, _ in judged:
+        o = next(x for x in outcomes if x.test.tier == PRIMARY)
+        power = "—" if math.isnan(o.power) else f"{o.power:.0%}"
+        mde = "—" if math.isnan(o.mde) else f"{o.mde:.3g}"
+        rows.append(f"| {claim.number}. {claim.title} | {o.test.id}: {o.test.text} | {_margin(o)} | **{verdict}** | "
+                    f"{_ci(o.judged)} | {power} | {mde} |")
+    return rows
+
+
+def write_report(out: Path, scale: Scale, judged: list, header: dict) -> None:
+    """report.md: the summary table first, then the setup and rules, the revisions, one section per claim."""
+    n_primary = len(judged)
     lines = [
         "# The normalization study", "",
         f"`{header['command']}` — {header['jobs']} job(s) (trained runs and at-init measurements), "
         f"{header['minutes']:.1f} minutes wall time on {header['machine']}; load average "
         f"{header['load_before']} before and {header['load_after']} after the run.", "",
+        "## Summary", "",
+        f"One primary test per claim; verdicts after Holm's adjustment across the {n_primary} primaries. "
+        "Effects are paired per-seed differences (or one arm's statistic against its threshold) with a 95% "
+        "t-interval. Power: the chance this test rejects at a true effect of one margin (for an equivalence claim: "
+        "that it shows equivalence at a true difference of 0), from the observed spread, before Holm. MDE: the "
+        "smallest effect detected with 80% power at this n and spread (two-sided α = 0.05, before Holm).", "",
+    ] + summary_rows(judged) + [
+        "", "## Setup", "",
         f"Model: dim {scale.dim}, {scale.n_heads} heads, seq {scale.seq_len}, batch {scale.batch_size}, vocab "
         f"{header['vocab_size']} (the default corpus); {scale.shallow} layers ({scale.steps} steps) for the "
-        f"ordinary runs, {scale.deep} layers ({scale.deep_steps} steps) for the deep arm. AdamW (β 0.9/0.95, "
-        f"weight decay 0.1 except norms, biases, embeddings), warm-up 10% of steps unless 'no-warmup', cosine "
-        f"to lr/10, clip 1.0, fp32. Base lr {scale.lr:g}, high lr {scale.high_lr:g}, claim 6's sweep "
-        f"{', '.join(f'{x:g}' for x in scale.lrs)}. {scale.seeds} seeds per trained configuration and "
-        f"{scale.init_seeds} per at-init measurement; a seed sets the initialization, every run reads the same "
-        "batches.", "",
-        "Verdicts: each number is a mean over seeds with its sd and a 95% t-interval (differences: Welch). PASS "
-        "when the interval clears the threshold fixed in `training/study/claims.py`, FAIL when it lies wholly on "
-        "the wrong side, INCONCLUSIVE when it contains the threshold (the difference is within its noise). "
-        "Final loss is the mean training loss over the last 10% of steps. Outcome per run: 'diverged' (a "
-        "non-finite loss, or ending above the first step's loss), 'stalled' (< 0.1 nats of progress over the "
-        "last 80% of steps), else 'trains'. 'Reading' lines are hypotheses unless they name a measurement.", "",
-        "| claim | verdict | tests (verdict) |", "|---|---|---|",
-    ]
-    for claim, verdict, outcomes, _, _ in judged:
-        tests = ", ".join(f"{o.test.id} {o.verdict}" for o in outcomes if o.test.kind != "report")
-        lines.append(f"| {claim.number}. {claim.title} | **{verdict}** | {tests} |")
-    lines.append("")
+        f"ordinary runs, {scale.mid} layers ({scale.steps} steps) for post- vs pre-LN, {scale.deep} layers "
+        f"({scale.deep_steps} steps) for the deep arm and {scale.long_steps} steps for its long run. AdamW (β "
+        "0.9/0.95, weight decay 0.1 except norms, biases, embeddings), warm-up 10% of steps unless stated, cosine "
+        f"to lr/10, clip 1.0 unless 'no-clip', fp32. Base lr {scale.lr:g}. {scale.seeds} seeds per trained "
+        f"configuration, {scale.init_seeds} per at-init measurement, {scale.ladder_seeds} per ladder cell. A seed "
+        "sets the initialization and the order of the training batches, so arms compared at one seed share both "
+        "(a paired design). Every trained run is scored on the same "
+        f"{scale.val_batches} held-out batches: 'held-out loss' below.", "",
+        "## Verdict rules", "",
+        "- Each test has a margin, the smallest effect of interest, fixed in `training/study/claims.py` before the "
+        "run: 0.05 nats for losses and LR sensitivity, log 1.25 for logs of ratios, 0.1 for log-log slopes, 5% "
+        "for timing.",
+        "- A directional claim (the effect is > 0, or < 0) is **PASS** when the 95% interval excludes 0 on the "
+        "claimed side, **FAIL** when it excludes 0 on the other side, **EQUIVALENT** when the interval lies inside "
+        "±margin (a measured null: no effect of the size that matters; this takes precedence), else "
+        "**INCONCLUSIVE**. A claim that nothing changes is PASS when the interval lies inside ±margin and FAIL "
+        "when the effect is shown to exceed it. Each side is tested at α = 0.025 (two-sided 0.05).",
+        "- The claim's verdict is its primary test's; secondary tests are judged alone and reported; mechanism "
+        "checks hold by construction and judge nothing; report rows have no verdict.",
+        "- Holm's step-down adjustment runs across the primaries, in three families: the difference tests, the "
+        "equivalence tests, and the exact tests on divergence.",
+        "- A run that diverged (a non-finite loss) is an outcome, not a number: seeds where only one arm diverged "
+        "are compared with McNemar's exact test, which decides the verdict when it rejects (the arm that diverges "
+        "more is worse) and makes it INCONCLUSIVE when it does not. Where a statistic needs every run (LR "
+        "sensitivity, best LR), a diverged run counts as the loss at initialization. Outcome per run: 'diverged' "
+        "(non-finite, or ending above the first step's loss), 'stalled' (< 0.1 nats of progress over the last 80% "
+        "of steps), else 'trains'.",
+        "- 'Best LR' is chosen from these runs (the lowest mean held-out loss over seeds), the same way for both "
+        "arms.",
+        "- 'Reading' lines are measurements of this run unless they say 'Hypothesis'.", "",
+        "## Tests revised after a run", "",
+    ] + [f"- {r}" for r in REVISIONS] + [""]
     for claim, verdict, outcomes, ctx, plot in judged:
         lines += claim_section(claim, verdict, outcomes, ctx, plot)
-    write_text_atomic(out / "report.md", "\n".join(lines))
+    lines += ["Per-seed measurements: `measurements.csv` (every test's per-seed values) and `runs.csv` (every run)."]
+    write_text_atomic(out / "report.md", "\n".join(lines) + "\n")
+
+
+def _est(e) -> dict | None:
+    return None if e is None else vars(e)
 
 
 def write_results(out: Path, judged: list, results: dict, header: dict) -> None:
-    """results.json: the verdicts with their estimates, and every job's losses and final-step probes."""
-    def spec_json(spec):
-        return {"label": spec.label(), "kind": "at_init" if isinstance(spec, AtInit) else "train"}
-
+    """results.json: the verdicts with their estimates and p-values, and every run's losses and final probes."""
     def seed_json(spec, r: dict) -> dict:
         final = r.get("probes", {}) if isinstance(spec, AtInit) else r["probes"].get(spec.steps, {})
         return {k: v for k, v in r.items() if k != "probes"} | {"final_probes": final}
 
-    doc = {"header": header, "claims": [
+    doc = {"header": header, "alpha": ALPHA, "claims": [
         {"number": c.number, "title": c.title, "verdict": v,
-         "tests": [{"id": o.test.id, "text": o.test.text, "verdict": o.verdict, "a": vars(o.a),
-                    "b": vars(o.b) if o.b else None, "diff": vars(o.diff) if o.diff else None} for o in outs]}
+         "tests": [{"id": o.test.id, "tier": o.test.tier, "text": o.test.text, "kind": o.test.kind,
+                    "margin": o.test.margin, "threshold": o.test.threshold, "verdict": o.verdict,
+                    "a": _est(o.a), "b": _est(o.b), "diff": _est(o.diff), "welch": _est(o.welch),
+                    "p": o.p, "p_adjusted": o.p_adjusted, "discordant": o.discordant, "power": o.power,
+                    "mde": o.mde} for o in outs]}
         for c, v, outs, _, _ in judged],
-        "runs": [{**spec_json(spec), "seeds": [seed_json(spec, r) for r in runs]} for spec, runs in results.items()]}
+        "runs": [{"label": spec.label(), "kind": "at_init" if isinstance(spec, AtInit) else "train",
+                  "seeds": [seed_json(spec, r) for r in runs]} for spec, runs in results.items()]}
     write_text_atomic(out / "results.json", json.dumps(doc, indent=1, default=str))
+
+
+def _csv(rows: list[list]) -> str:
+    buf = io.StringIO()
+    csv.writer(buf, lineterminator="\n").writerows(rows)
+    return buf.getvalue()
+
+
+def write_csvs(out: Path, judged: list, results: dict) -> None:
+    """measurements.csv: every test's per-seed values; runs.csv: every trained run's held-out loss and outcome."""
+    rows = [["claim", "test", "tier", "statistic", "role_a", "role_b", "seed", "value_a", "value_b"]]
+    for claim, _, outcomes, _, _ in judged:
+        for o in outcomes:
+            for seed, x in enumerate(o.samples_a):
+                y = o.samples_b[seed] if o.samples_b is not None and seed < len(o.samples_b) else ""
+                rows.append([claim.number, o.test.id, o.test.tier, o.test.stat, o.test.a, o.test.b or "", seed,
+                             repr(x), repr(y) if y != "" else ""])
+    write_text_atomic(out / "measurements.csv", _csv(rows))
+    runs = [["configuration", "seed", "lr", "warmup", "steps", "held_out_loss", "initial_loss", "outcome",
+             "diverged_at", "seconds"]]
+    for spec, per_seed in results.items():
+        if isinstance(spec, Train):
+            for seed, r in enumerate(per_seed):
+                runs.append([spec.label(), seed, spec.lr, spec.warmup, spec.steps, repr(final_loss(r)),
+                             repr(r["losses"][0]) if r["losses"] else "", outcome(r),
+                             "" if r["diverged_at"] is None else r["diverged_at"], f"{r['seconds']:.2f}"])
+    write_text_atomic(out / "runs.csv", _csv(runs))

@@ -8,9 +8,11 @@ thread pool state) and run one intra-op thread each, so `jobs` processes use `jo
 from __future__ import annotations
 
 import logging
+import math
 import multiprocessing
 import time
 from concurrent.futures import ProcessPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -19,7 +21,7 @@ from data.datamodule import TokenDataModule
 from training.study.claims import Claim
 from training.study.grid import AtInit, Scale, Spec, shallow
 from training.study.measure import at_init, toy_no_norm, train_run
-from training.study.timing import norm_share, op_ratios
+from training.study.timing import norm_share, op_ratios, step_time_ratios
 
 log = logging.getLogger(__name__)
 _WORKER: dict = {}
@@ -34,35 +36,57 @@ def plan(claims: tuple[Claim, ...], scale: Scale) -> list[tuple[Spec, int]]:
     specs: dict[Spec, None] = {}
     for roles in roles_of(claims, scale).values():
         specs.update(dict.fromkeys(roles.values()))
-    jobs = [(s, seed) for s in specs for seed in range(scale.init_seeds if isinstance(s, AtInit) else scale.seeds)]
+    jobs = [(s, seed) for s in specs for seed in range(seeds_of(s, scale))]
     return sorted(jobs, key=lambda j: -_cost(j[0]))
 
 
+def seeds_of(spec: Spec, scale: Scale) -> int:
+    if isinstance(spec, AtInit):
+        return scale.ladder_seeds if spec.ladder else scale.init_seeds
+    return scale.seeds
+
+
 def _cost(spec: Spec) -> float:
-    return spec.arch.layers * (1 if isinstance(spec, AtInit) else spec.steps)
+    width = (spec.arch.dim or 64) ** 2
+    return spec.arch.layers * width * (1 if isinstance(spec, AtInit) else spec.steps)
 
 
 def load_data(data_dir: Path, scale: Scale) -> TokenDataModule:
-    data = TokenDataModule(str(data_dir), seq_len=scale.seq_len, batch_size=scale.batch_size, val_batches=0)
+    data = TokenDataModule(str(data_dir), seq_len=scale.seq_len, batch_size=scale.batch_size,
+                           val_batches=scale.val_batches)
     data.setup("fit")
     return data
+
+
+def held_out(data: TokenDataModule) -> list[torch.Tensor]:
+    """The held-out batches every trained run is scored on (the validation split; the same for every seed)."""
+    loader = data.val_dataloader()
+    loader = loader[0] if isinstance(loader, list) else loader
+    return [b if torch.is_tensor(b) else b[0] for b in loader]
+
+
+def training_batches(data: TokenDataModule, seed: int):
+    """The training batches of seed `seed`: the data order is the seed's (so is the initialization)."""
+    data.seed = seed
+    return iter(data.train_dataloader())
 
 
 def _init_worker(data_dir: str, scale: Scale, threads: int) -> None:
     torch.set_num_threads(threads)
     logging.basicConfig(level=logging.WARNING)
-    _WORKER["data"], _WORKER["scale"] = load_data(Path(data_dir), scale), scale
+    data = load_data(Path(data_dir), scale)
+    _WORKER.update(data=data, scale=scale, val=held_out(data))
 
 
 def first_batch(data: TokenDataModule) -> torch.Tensor:
-    return next(iter(data.train_dataloader()))
+    return next(training_batches(data, 0))
 
 
 def _job(spec: Spec, seed: int) -> tuple[Spec, int, dict]:
     data, scale = _WORKER["data"], _WORKER["scale"]
     if isinstance(spec, AtInit):
         return spec, seed, at_init(spec, seed, scale, first_batch(data), data.vocab_size)
-    return spec, seed, train_run(spec, seed, scale, iter(data.train_dataloader()), data.vocab_size)
+    return spec, seed, train_run(spec, seed, scale, training_batches(data, seed), _WORKER["val"], data.vocab_size)
 
 
 def run_jobs(jobs: list[tuple[Spec, int]], data_dir: Path, scale: Scale, n_procs: int) -> dict[Spec, list[dict]]:
@@ -74,8 +98,10 @@ def run_jobs(jobs: list[tuple[Spec, int]], data_dir: Path, scale: Scale, n_procs
         nonlocal done
         out.setdefault(spec, {})[seed] = result
         done += 1
-        log.info("[%d/%d %.0fs] %s seed %d", done, len(jobs), time.perf_counter() - start, spec.label(), seed)
+        if done % max(1, len(jobs) // 20) == 0 or done == len(jobs):  # ~20 progress lines per study
+            log.info("[%d/%d %.0fs] %s seed %d", done, len(jobs), time.perf_counter() - start, spec.label(), seed)
 
+    logging.getLogger("data.datamodule").setLevel(logging.WARNING)  # one "train data" line per run is noise here
     if n_procs <= 1:
         _init_worker(str(data_dir), scale, torch.get_num_threads())
         for spec, seed in jobs:
@@ -90,24 +116,43 @@ def run_jobs(jobs: list[tuple[Spec, int]], data_dir: Path, scale: Scale, n_procs
 
 
 def main_process_measurements(claims: tuple[Claim, ...], scale: Scale, data: TokenDataModule) -> dict:
-    """Measurements that run alone, after the grid: the toy (claim 9) and claim 7's op timing and profiler
-    share (one thread, so the timing is not split across cores with anything of ours)."""
+    """Measurements that run alone, after the grid: the toy (claim 9) and the timing of claims 20 and 21 (one
+    thread, so the timing is not split across cores with anything of ours)."""
     numbers = {c.number for c in claims}
     extra: dict = {}
     if 9 in numbers:
         extra["toy"] = toy_no_norm()
-    if 7 in numbers:
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)
-        try:
-            shape = (8, 512, 768) if scale.dim >= 64 else (4, 64, 128)
-            extra["op_ratios"] = op_ratios(shape, scale.timing_rounds)
-            extra["op_shape"] = shape
-            tokens = first_batch(data)
-            extra["norm_share"] = {
-                "rmsnorm": norm_share(shallow(scale, bias=True), scale, data.vocab_size, tokens),
-                "layernorm": norm_share(shallow(scale, norm="layernorm", bias=True), scale, data.vocab_size,
-                                        tokens)}
-        finally:
-            torch.set_num_threads(threads)
+    if not numbers & {20, 21}:
+        return extra
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    timing: dict[str, list[float]] = {}
+    tokens = first_batch(data)
+    small = shallow(scale, bias=True)
+    wide = shallow(scale, bias=True, dim=scale.wide_dim)
+    rounds = scale.timing_rounds
+    try:
+        if 20 in numbers:
+            timing["qk_step"] = step_time_ratios(replace(small, qk_norm="head"), small, scale, data.vocab_size,
+                                                 tokens, rounds)
+            timing["qk_step_wide"] = step_time_ratios(replace(wide, qk_norm="head"), wide, scale, data.vocab_size,
+                                                      tokens, max(2, rounds // 3))
+        if 21 in numbers:
+            big = (8, 512, 768) if scale.dim >= 64 else (4, 64, 128)
+            timing |= op_ratios(big, rounds)
+            timing["fused_small"] = op_ratios((scale.batch_size, scale.seq_len, scale.dim), rounds).get(
+                "fused", [math.nan])
+            extra["op_shape"] = big
+            share: dict[str, list[float]] = {}
+            for name, arch in (("", small), ("_wide", wide)):
+                seconds = {}
+                for norm in ("rmsnorm", "layernorm"):
+                    share[norm + name], seconds[norm] = norm_share(replace(arch, norm=norm), scale, data.vocab_size,
+                                                                   tokens)
+                timing["norm_time" + name] = [r / l for r, l in zip(seconds["rmsnorm"], seconds["layernorm"],
+                                                                    strict=True)]
+            extra["norm_share"] = share
+    finally:
+        torch.set_num_threads(threads)
+    extra["timing"] = timing
     return extra

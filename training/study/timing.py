@@ -96,9 +96,11 @@ def _native_stderr_silenced() -> Iterator[None]:
         os.close(saved)
 
 
-def norm_share(arch: Arch, scale: Scale, vocab_size: int, tokens: torch.Tensor, steps: int = 5) -> list[float]:
-    """Per profiled training step of `arch`, the norms' share of its CPU time: forward norm calls (marked with
-    a profiler range by module hooks) plus their backward autograd nodes, over the step's range."""
+def norm_share(arch: Arch, scale: Scale, vocab_size: int, tokens: torch.Tensor,
+               steps: int = 5) -> tuple[list[float], list[float]]:
+    """Per profiled training step of `arch`, the norms' share of its CPU time and their time in seconds:
+    forward norm calls (marked with a profiler range by module hooks) plus their backward autograd nodes, over
+    the step's range."""
     torch.manual_seed(0)
     model = Transformer(arch.config(scale, vocab_size))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -120,7 +122,7 @@ def norm_share(arch: Arch, scale: Scale, vocab_size: int, tokens: torch.Tensor, 
         opt.zero_grad(set_to_none=True)
 
     step()  # warm-up outside the profile
-    shares = []
+    shares, seconds = [], []
     try:
         for _ in range(steps):
             with _native_stderr_silenced(), torch.profiler.profile(
@@ -134,7 +136,35 @@ def norm_share(arch: Arch, scale: Scale, vocab_size: int, tokens: torch.Tensor, 
                       if e.name.startswith("autograd::engine::evaluate_function")
                       and any(n in e.name for n in NORM_BACKWARD_NODES))
             shares.append((fwd + bwd) / total)
+            seconds.append((fwd + bwd) / 1e6)
     finally:
         for h in handles:
             h.remove()
-    return shares
+    return shares, seconds
+
+
+def step_time_ratios(arch_a: Arch, arch_b: Arch, scale: Scale, vocab_size: int, tokens: torch.Tensor, rounds: int,
+                     steps: int = 2) -> list[float]:
+    """Per round, the time of `steps` training steps of `arch_a` over the same for `arch_b` (same seed, same
+    batch), the two alternating in order from round to round so that load drift hits both alike."""
+    models = []
+    for arch in (arch_a, arch_b):
+        torch.manual_seed(0)
+        model = Transformer(arch.config(scale, vocab_size))
+        models.append((model, torch.optim.AdamW(model.parameters(), lr=1e-4)))
+
+    def run(model, opt) -> float:
+        t = time.perf_counter()
+        for _ in range(steps):
+            model(tokens[:, :-1], targets=tokens[:, 1:]).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        return time.perf_counter() - t
+
+    ratios = []
+    for r in range(rounds + 1):  # round 0 warms up
+        order = (0, 1) if r % 2 else (1, 0)
+        times = {i: run(*models[i]) for i in order}
+        if r:
+            ratios.append(times[0] / times[1])
+    return ratios

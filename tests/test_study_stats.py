@@ -88,6 +88,9 @@ def _p_beyond(e, m):
     ("greater", [0.001, -0.002, 0.0015, 0.0], EQUIVALENT),  # a precise null: inside ±0.05
     ("greater", [0.3, -0.4, 0.5, -0.2], INCONCLUSIVE),  # the interval is wider than the margin and holds 0
     ("less", [-0.30, -0.32, -0.28, -0.31], PASS),
+    ("nonzero", [-0.30, -0.32, -0.28, -0.31], PASS),  # either sign
+    ("nonzero", [0.001, -0.002, 0.0015, 0.0], EQUIVALENT),
+    ("nonzero", [0.3, -0.4, 0.5, -0.2], INCONCLUSIVE),
     ("equivalent", [0.001, -0.002, 0.0015, 0.0], PASS),
     ("equivalent", [0.30, 0.32, 0.28, 0.31], FAIL),  # shown to exceed the margin
     ("equivalent", [0.06, 0.04, 0.05, 0.055], INCONCLUSIVE),  # a real difference, but not shown beyond ±0.05

@@ -126,7 +126,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="normlab study", description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="a tiny grid (a smoke test, under a minute on 2 cores)")
     ap.add_argument("--claims", default=None, help="comma-separated claim numbers to run, e.g. 1,5 (default: all)")
-    ap.add_argument("--jobs", type=int, default=1, help="worker processes for independent runs (default 1)")
+    ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
+                    help="worker processes for independent runs, one thread each (default: one per core)")
     ap.add_argument("--output", type=Path, default=None, help="report directory (default: runs/study[-quick])")
     ap.add_argument("--data", type=Path, default=None, help="prepared default-corpus directory to use or create")
     ap.add_argument("--seeds", type=int, default=None,

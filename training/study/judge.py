@@ -199,12 +199,14 @@ def w2_depth_slope(ctx: Context, role: str) -> list[float]:
     return [slope(layers, list(seed)) for seed in zip(*per_depth, strict=True)]
 
 
-def grad_spread(ctx: Context, role: str) -> list[float]:
+def grad_log_ratio(ctx: Context, role: str) -> list[float]:
+    """Per seed, log(first block's gradient norm / last block's) at init: > 0 when the gradients grow toward the
+    input (explode going backward), < 0 when they shrink (vanish); NaN when one of them is not finite."""
     out = []
     for r in ctx.runs(role):
         g = r["block_grad"]
         ok = all(math.isfinite(x) and x > 0 for x in (g[0], g[-1]))
-        out.append(abs(math.log(g[0] / g[-1])) if ok else math.nan)
+        out.append(math.log(g[0] / g[-1]) if ok else math.nan)
     return out
 
 
@@ -263,7 +265,7 @@ STATISTICS: dict[str, Callable[..., list[float]]] = {
     "drift": lambda ctx, role: [statistics.fmean(r["drift"]) for r in ctx.runs(role)],
     "w2_top_heavy": w2_top_heavy,
     "w2_depth_slope": w2_depth_slope,
-    "grad_spread": grad_spread,
+    "grad_log_ratio": grad_log_ratio,
     "non_finite_grad": lambda ctx, role: [float(not all(math.isfinite(x) for x in r["block_grad"]))
                                           for r in ctx.runs(role)],
     "qk_gain": qk_gain,
@@ -300,6 +302,11 @@ class Outcome:
     def judged(self) -> Estimate:
         """The estimate the verdict reads, shifted by the test's threshold."""
         return self.diff if self.diff is not None else self.a
+
+    @property
+    def shown(self) -> Estimate:
+        """The estimate a reader compares with the threshold: one role's statistic, or the paired difference."""
+        return self.a if self.b is None else self.judged
 
     def numbers(self) -> str:
         t = self.test
@@ -363,6 +370,7 @@ def decide(test: Test, e: Estimate, p: dict[str, float], discordant: tuple[int, 
 
     - `equivalent` claims (nothing changes): PASS when the 95% interval lies inside ±margin (TOST), FAIL when
       the effect is shown to exceed the margin, else INCONCLUSIVE;
+    - `nonzero` claims (an effect of either sign): EQUIVALENT inside ±margin, PASS when the interval excludes 0;
     - directional claims (`greater` / `less`): EQUIVALENT when the interval lies inside ±margin (a measured null:
       no effect of the size that matters), else PASS / FAIL when the interval excludes 0 on the claimed / the
       other side, else INCONCLUSIVE.
@@ -374,6 +382,8 @@ def decide(test: Test, e: Estimate, p: dict[str, float], discordant: tuple[int, 
     sig = lambda key: not math.isnan(p.get(key, math.nan)) and p[key] < ALPHA  # noqa: E731
     if test.kind == "equivalent":
         metric = PASS if sig("equivalence") else FAIL if sig("difference") else INCONCLUSIVE
+    elif test.kind == "nonzero":
+        metric = EQUIVALENT if sig("equivalence") else PASS if sig("difference") else INCONCLUSIVE
     else:
         sign = 1 if test.kind == "greater" else -1
         metric = (EQUIVALENT if sig("equivalence") else

@@ -33,6 +33,8 @@ def _fmt(x: float) -> str:
 
 
 def _per_seed(o: Outcome) -> str:
+    if len(o.samples_a) > 12:
+        return f"{len(o.samples_a)} values: measurements.csv"
     a = ", ".join(_fmt(x) for x in o.samples_a)
     if o.samples_b is None:
         return a
@@ -179,7 +181,7 @@ def claim_section(claim: Claim, verdict: str, outcomes: list[Outcome], ctx: Cont
               "|---|---|---|---|---|---|---|"]
     for o in outcomes:
         lines.append(f"| {o.test.id}: {o.test.text} | {TIER_LABEL[o.test.tier]} | {_margin(o)} | **{o.verdict}** | "
-                     f"{_ci(o.judged)} | {o.numbers()} | {_per_seed(o)} |")
+                     f"{_ci(o.shown)} | {o.numbers()} | {_per_seed(o)} |")
     if claim.number == 9 and "toy" in ctx.extra:
         toy = ctx.extra["toy"]
         lines += ["", "Toy, RMS seen by layer (no norm / with norm): "
@@ -219,9 +221,11 @@ def summary_rows(judged: list) -> list[str]:
     for claim, verdict, outcomes, _, _ in judged:
         o = next(x for x in outcomes if x.test.tier == PRIMARY)
         power = "—" if math.isnan(o.power) else f"{o.power:.0%}"
+        if verdict == "PASS" and o.test.margin and abs(o.shown.lo if o.shown.mean > 0 else o.shown.hi) < o.test.margin:
+            verdict += " †"
         mde = "—" if math.isnan(o.mde) else f"{o.mde:.3g}"
         rows.append(f"| {claim.number}. {claim.title} | {o.test.id}: {o.test.text} | {_margin(o)} | **{verdict}** | "
-                    f"{_ci(o.judged)} | {power} | {mde} |")
+                    f"{_ci(o.shown)} | {power} | {mde} |")
     return rows
 
 
@@ -235,10 +239,13 @@ def write_report(out: Path, scale: Scale, judged: list, header: dict) -> None:
         f"{header['load_before']} before and {header['load_after']} after the run.", "",
         "## Summary", "",
         f"One primary test per claim; verdicts after Holm's adjustment across the {n_primary} primaries. "
-        "Effects are paired per-seed differences (or one arm's statistic against its threshold) with a 95% "
+        "Effects are paired per-seed differences (or one arm's statistic, read against the threshold in the margin "
+        "column) with a 95% "
         "t-interval. Power: the chance this test rejects at a true effect of one margin (for an equivalence claim: "
         "that it shows equivalence at a true difference of 0), from the observed spread, before Holm. MDE: the "
-        "smallest effect detected with 80% power at this n and spread (two-sided α = 0.05, before Holm).", "",
+        "smallest effect detected with 80% power at this n and spread (two-sided α = 0.05, before Holm). †: the "
+        "effect is shown to exist, but its interval reaches inside the margin, so it may be smaller than matters.",
+        "",
     ] + summary_rows(judged) + [
         "", "## Setup", "",
         f"Model: dim {scale.dim}, {scale.n_heads} heads, seq {scale.seq_len}, batch {scale.batch_size}, vocab "

@@ -23,3 +23,44 @@ def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("work")
     make_tiny_corpus(root)
     return root
+
+
+@pytest.fixture(scope="session")
+def zero_workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Like `workdir`, but one for the whole session: the home of the shared reference runs (below), so that
+    modules reading them share one training of each."""
+    from tests.helpers.data import make_tiny_corpus
+
+    root = tmp_path_factory.mktemp("zero-runs")
+    make_tiny_corpus(root)
+    return root
+
+
+# The 8-step reference runs of every checkpoint kind (tests/helpers/zero_runs.py), each trained on first use.
+@pytest.fixture(scope="session")
+def single_run(zero_workdir: Path) -> Path:
+    from tests.helpers.zero_runs import train
+
+    return train(zero_workdir, "single")
+
+
+@pytest.fixture(scope="session")
+def zero1_run(zero_workdir: Path) -> Path:
+    from tests.helpers.zero_runs import train
+
+    return train(zero_workdir, "zero1")
+
+
+@pytest.fixture(scope="session")
+def zero2_run(zero_workdir: Path) -> Path:
+    from tests.helpers.zero_runs import train
+
+    return train(zero_workdir, "zero2")
+
+
+@pytest.fixture(scope="session")
+def zero3_run(zero_workdir: Path) -> Path:
+    from tests.helpers.zero_runs import train
+
+    return train(zero_workdir, "zero3")
+

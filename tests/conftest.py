@@ -64,3 +64,21 @@ def zero3_run(zero_workdir: Path) -> Path:
 
     return train(zero_workdir, "zero3")
 
+
+@pytest.fixture(scope="session")
+def docmask_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One 4-step `normlab fit --data.document_mask true` on a corpus of short documents (most 32-token windows span
+    several), with the probes every 2 steps and validation and a checkpoint at step 4: its training is checked by
+    tests/test_docmask_training.py, its checkpoint evaluated by tests/test_eval_path.py. The corpus is the run's
+    data.path (`docmask_run.parent.parent / "docs"`)."""
+    from data.prepare import prepare
+    from tests.helpers.multiproc import REPO, run_normlab
+    from tests.test_docmask_data import short_documents
+
+    root = tmp_path_factory.mktemp("docmask_fit")
+    corpus = prepare([short_documents(root / "in", "docs", 300, 0)], output=root / "docs", vocab_size=300,
+                     val_fraction=0.2)
+    run_normlab(["fit", "-c", str(REPO / "tests" / "helpers" / "tiny.yaml"), "--data.path", str(corpus),
+                 "--data.document_mask", "true", "--runs_dir", str(root / "runs"), "--name", "docmask",
+                 "--trainer.max_steps", "4", "--data.seq_len", "32", "--metrics.every_n_steps", "2"], cwd=root)
+    return root / "runs" / "docmask"

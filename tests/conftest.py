@@ -23,3 +23,62 @@ def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("work")
     make_tiny_corpus(root)
     return root
+
+
+@pytest.fixture(scope="session")
+def zero_workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Like `workdir`, but one for the whole session: the home of the shared reference runs (below), so that
+    modules reading them share one training of each."""
+    from tests.helpers.data import make_tiny_corpus
+
+    root = tmp_path_factory.mktemp("zero-runs")
+    make_tiny_corpus(root)
+    return root
+
+
+# The 8-step reference runs of every checkpoint kind (tests/helpers/zero_runs.py), each trained on first use.
+@pytest.fixture(scope="session")
+def single_run(zero_workdir: Path) -> Path:
+    from tests.helpers.zero_runs import train
+
+    return train(zero_workdir, "single")
+
+
+@pytest.fixture(scope="session")
+def zero1_run(zero_workdir: Path) -> Path:
+    from tests.helpers.zero_runs import train
+
+    return train(zero_workdir, "zero1")
+
+
+@pytest.fixture(scope="session")
+def zero2_run(zero_workdir: Path) -> Path:
+    from tests.helpers.zero_runs import train
+
+    return train(zero_workdir, "zero2")
+
+
+@pytest.fixture(scope="session")
+def zero3_run(zero_workdir: Path) -> Path:
+    from tests.helpers.zero_runs import train
+
+    return train(zero_workdir, "zero3")
+
+
+@pytest.fixture(scope="session")
+def docmask_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One 4-step `normlab fit --data.document_mask true` on a corpus of short documents (most 32-token windows span
+    several), with the probes every 2 steps and validation and a checkpoint at step 4: its training is checked by
+    tests/test_docmask_training.py, its checkpoint evaluated by tests/test_eval_path.py. The corpus is the run's
+    data.path (`docmask_run.parent.parent / "docs"`)."""
+    from data.prepare import prepare
+    from tests.helpers.multiproc import REPO, run_normlab
+    from tests.test_docmask_data import short_documents
+
+    root = tmp_path_factory.mktemp("docmask_fit")
+    corpus = prepare([short_documents(root / "in", "docs", 300, 0)], output=root / "docs", vocab_size=300,
+                     val_fraction=0.2)
+    run_normlab(["fit", "-c", str(REPO / "tests" / "helpers" / "tiny.yaml"), "--data.path", str(corpus),
+                 "--data.document_mask", "true", "--runs_dir", str(root / "runs"), "--name", "docmask",
+                 "--trainer.max_steps", "4", "--data.seq_len", "32", "--metrics.every_n_steps", "2"], cwd=root)
+    return root / "runs" / "docmask"

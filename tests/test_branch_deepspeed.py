@@ -1,5 +1,7 @@
 """A cooldown branch of a 2-rank DeepSpeed ZeRO-2 trunk (real processes on CPU): it starts from the trunk's
-exact step-4 weights and follows its own schedule. (~1-2 minutes on 2 idle cores, mostly process start-up.)"""
+exact step-4 weights and follows its own schedule. The trunk is the session's 2-rank ZeRO-2 reference run
+(tests/helpers/zero_runs.py, checked by tests/test_training_deepspeed.py: the default schedule, which the branch
+replaces with its own). (~1 minute on 2 idle cores, mostly process start-up.)"""
 from __future__ import annotations
 
 from pathlib import Path
@@ -9,7 +11,7 @@ import torch
 
 from tests.helpers.multiproc import REPO, run_normlab
 from tests.helpers.runs import consolidated_state_dict, scalars
-from tests.test_branch import TRUNK, probe_config, wsd_linear
+from tests.test_branch import probe_config, wsd_linear
 from training.checkpointing import layout
 
 pytestmark = pytest.mark.slow
@@ -23,10 +25,8 @@ def fit_args(workdir: Path, name: str, *extra: str) -> list[str]:
             "--metrics.every_n_steps", "0", *extra]
 
 
-def test_zero2_cooldown_branch(workdir, tmp_path):
-    run_normlab(fit_args(workdir, "trunk", *TRUNK), cwd=workdir)
-    trunk = workdir / "runs" / "trunk"
-    parent = layout.checkpoints_dir(trunk) / "step-00000004"
+def test_zero2_cooldown_branch(workdir, zero2_run, tmp_path):
+    parent = layout.checkpoints_dir(zero2_run) / "step-00000004"
     run_normlab(fit_args(workdir, "cool", "-c", str(probe_config(tmp_path)), "--branch_from", str(parent),
                          "--optim.schedule", "wsd", "--optim.decay_fraction", "0.5", "--optim.weight_decay", "0.05"),
                 cwd=workdir)

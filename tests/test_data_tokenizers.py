@@ -103,9 +103,12 @@ def test_a_flag_given_eos_survives_the_copy(docs: list[str], tmp_path: Path) -> 
 
 
 @pytest.mark.slow
-def test_fit_evaluate_export_generate_with_a_hf_tokenizer(hf_prepared: Path, tmp_path: Path) -> None:
+def test_fit_evaluate_export_generate_with_a_hf_tokenizer(hf_prepared: Path, tmp_path: Path,
+                                                          capsys: pytest.CaptureFixture) -> None:
+    """`fit` as its own process; `export` and `generate` in this one (the console script's entry point)."""
     transformers = pytest.importorskip("transformers")
     from tests.helpers.multiproc import REPO, run_normlab
+    from training.cli import main
     from training.eval.heldout import evaluate
 
     run_normlab(["fit", "-c", str(REPO / "tests" / "helpers" / "tiny.yaml"), "--data.path", str(hf_prepared),
@@ -118,12 +121,12 @@ def test_fit_evaluate_export_generate_with_a_hf_tokenizer(hf_prepared: Path, tmp
     assert result["bytes"] / result["tokens"] == pytest.approx(
         meta["splits"]["val"]["bytes"] / meta["splits"]["val"]["tokens"], rel=0.25)
     out = tmp_path / "hf"
-    run_normlab(["export", "--checkpoint", str(ckpt), "--output", str(out)], cwd=tmp_path)
+    assert main(["export", "--checkpoint", str(ckpt), "--output", str(out)]) == 0
     auto = transformers.AutoTokenizer.from_pretrained(out, local_files_only=True)
     lib = layout.load_tokenizer(hf_prepared / "tokenizer.json")
     for text in ("the quick brown fox.", TRICKY[1]):
         assert auto.encode(text, add_special_tokens=False) == lib.encode_batch([text])[0]
     assert auto.eos_token_id == meta["eos_id"]
-    generated = run_normlab(["generate", "--checkpoint", str(ckpt), "--prompt", "The", "--max_new_tokens", "5"],
-                            cwd=tmp_path)
-    assert generated.stdout.startswith("The")
+    capsys.readouterr()
+    assert main(["generate", "--checkpoint", str(ckpt), "--prompt", "The", "--max_new_tokens", "5"]) == 0
+    assert capsys.readouterr().out.startswith("The")

@@ -9,7 +9,6 @@ import torch
 
 from data.datamodule import TokenDataModule
 from data.prepare import prepare
-from tests.helpers.multiproc import REPO, run_normlab
 from tests.helpers.runs import scalars
 from tests.test_docmask_data import short_documents
 from training.lit_module import LitLM
@@ -37,14 +36,11 @@ def test_lit_module_passes_the_positions_to_the_model(corpus: Path) -> None:
 
 
 @pytest.mark.slow
-def test_fit_trains_with_document_mask(corpus: Path, tmp_path: Path) -> None:
-    run_normlab(["fit", "-c", str(REPO / "tests" / "helpers" / "tiny.yaml"), "--data.path", str(corpus),
-                 "--data.document_mask", "true", "--runs_dir", str(tmp_path / "runs"), "--name", "docmask",
-                 "--trainer.max_steps", "4", "--trainer.val_check_interval", "8", "--checkpoint.every_n_steps", "0",
-                 "--metrics.every_n_steps", "2"], cwd=tmp_path)
-    run = tmp_path / "runs" / "docmask"
-    losses = scalars(run, "train/loss")
+def test_fit_trains_with_document_mask(docmask_run: Path) -> None:
+    """`normlab fit --data.document_mask true` (the session's run, tests/conftest.py: 4 steps of 32-token windows)
+    trains, validates and runs its probes under the mask."""
+    losses = scalars(docmask_run, "train/loss")
     assert sorted(losses) == [1, 2, 3, 4] and all(math.isfinite(v) for v in losses.values())
-    assert math.isfinite(scalars(run, "val/loss")[4])
-    entropy = scalars(run, "attn/entropy/L0")  # the probes ran under the mask (step 0 and every 2 steps)
+    assert math.isfinite(scalars(docmask_run, "val/loss")[4])
+    entropy = scalars(docmask_run, "attn/entropy/L0")  # the probes ran under the mask (step 0 and every 2 steps)
     assert set(entropy) >= {0, 2} and all(0 < v <= 1 for v in entropy.values())

@@ -124,7 +124,12 @@ def test_two_rank_zero2_in_loop_equals_one_process_on_its_checkpoint(workdir, tm
     assert sorted(scalars(run, f"eval/{TASK}/bpb")) == [4]
 
 
-def test_bad_settings_are_one_line(workdir):
+def test_bad_settings_are_one_line(workdir, capsys, monkeypatch):
+    """`fit` with bad downstream settings: exit status 2 and one line (run in this process, through the console
+    script's entry point `training.cli.main`: no process start-up for a refusal)."""
+    from training.cli import main
+
+    monkeypatch.delenv("NORMLAB_DEBUG", raising=False)
     (workdir / "tasks-bad").mkdir()
     tasks = write_task(workdir / "tasks-bad")
     base = ["fit", "-c", str(TINY), "--data.path", str(workdir / "tiny"), "--runs_dir", str(workdir / "runs"),
@@ -133,6 +138,8 @@ def test_bad_settings_are_one_line(workdir):
              ("--eval.tasks", "no_such_task", "--eval.every_n_steps", "1", "--eval.include_path", str(tasks)):
                  "unknown task 'no_such_task'"}
     for flags, message in cases.items():
-        proc = run_normlab([*base, *flags], cwd=workdir, expect_ok=False)
-        assert proc.returncode == 2 and message in proc.stderr, proc.stderr[-2000:]
-        assert "Traceback" not in proc.stderr
+        capsys.readouterr()
+        rc = main([*base, *flags])
+        err = capsys.readouterr().err
+        assert rc == 2 and message in err, err[-2000:]
+        assert "Traceback" not in err

@@ -9,10 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from data.prepare import prepare
-from tests.helpers.multiproc import REPO, run_normlab
 from tests.helpers.runs import scalars
-from tests.test_docmask_data import short_documents
 from training.eval import cli as eval_cli
 from training.eval.metrics import LossTotals
 
@@ -34,18 +31,13 @@ def test_loss_totals_match_float64_reference() -> None:
 
 
 @pytest.mark.slow
-def test_evaluate_reproduces_val_loss_of_a_document_masked_run(tmp_path: Path) -> None:
-    """`normlab evaluate` on the checkpoint of a `data.document_mask: true` run prints the val/loss the run logged
-    at that step (its windows, its mask: without the mask the loss differs by far more than the tolerance)."""
-    corpus = prepare([short_documents(tmp_path / "in", "docs", 300, 0)], output=tmp_path / "docs", vocab_size=300,
-                     val_fraction=0.2)
-    run_normlab(["fit", "-c", str(REPO / "tests" / "helpers" / "tiny.yaml"), "--data.path", str(corpus),
-                 "--data.document_mask", "true", "--runs_dir", str(tmp_path / "runs"), "--name", "docmask",
-                 "--trainer.max_steps", "4", "--data.seq_len", "32"], cwd=tmp_path)
-    run = tmp_path / "runs" / "docmask"
+def test_evaluate_reproduces_val_loss_of_a_document_masked_run(docmask_run: Path, tmp_path: Path) -> None:
+    """`normlab evaluate` on the checkpoint of a `data.document_mask: true` run (the session's, tests/conftest.py:
+    32-token windows) prints the val/loss the run logged at that step (its windows, its mask: without the mask the
+    loss differs by far more than the tolerance)."""
     out = tmp_path / "eval.json"
-    assert eval_cli.main(["--checkpoint", str(run / "checkpoints" / "step-00000004"), "--output", str(out),
+    assert eval_cli.main(["--checkpoint", str(docmask_run / "checkpoints" / "step-00000004"), "--output", str(out),
                           "--device", "cpu"]) == 0
     result = json.loads(out.read_text())
     assert result["tokens"] == 2 * 4 * 32  # val_batches · batch_size · seq_len: the run's own windows
-    assert result["loss"] == pytest.approx(scalars(run, "val/loss")[4], rel=1e-5)
+    assert result["loss"] == pytest.approx(scalars(docmask_run, "val/loss")[4], rel=1e-5)

@@ -3,6 +3,10 @@
 Exports are loaded back with `transformers` alone (`AutoModelForCausalLM`, `AutoTokenizer`, no network) and
 must give our logits and our greedy continuation. DeepSpeed checkpoints are evaluated in
 tests/test_training_deepspeed.py, next to the runs that write them.
+
+The fits, `generate` (whose exact stdout is checked) and `validate`/`test` (LightningCLI) run as their own
+processes; `evaluate` and `export` run in this one, through the console script's own entry point
+(`training.cli.main`: the same parsing, exit status and error line), which saves a process start-up each.
 """
 from __future__ import annotations
 
@@ -26,6 +30,20 @@ HELPERS = REPO / "tests" / "helpers"
 STEP = "step-00000004"
 
 
+def normlab(args: list[str], capsys: pytest.CaptureFixture) -> tuple[int, str]:
+    """`normlab <args>` in this process: (exit status, what it wrote to stderr)."""
+    from training.cli import main
+
+    capsys.readouterr()  # only this command's output
+    rc = main(args)
+    return rc, capsys.readouterr().err
+
+
+def ok(args: list[str], capsys: pytest.CaptureFixture) -> None:
+    rc, err = normlab(args, capsys)
+    assert rc == 0, err[-4000:]
+
+
 def fit(workdir: Path, preset: str) -> Path:
     run_normlab(["fit", "-c", str(HELPERS / "tiny.yaml"), "--data.path", str(workdir / "tiny"), "--runs_dir",
                  str(workdir / "runs"), "--name", preset, "--model.preset", preset, "--trainer.max_steps", "4",
@@ -39,9 +57,10 @@ def runs(workdir) -> dict[str, Path]:
 
 
 @pytest.mark.parametrize("preset, model_type", [("llama", "llama"), ("qwen3", "qwen3"), ("olmo2", "olmo2")])
-def test_export_loads_in_transformers_with_our_logits_and_tokenizer(preset, model_type, runs, workdir, tmp_path):
+def test_export_loads_in_transformers_with_our_logits_and_tokenizer(preset, model_type, runs, workdir, tmp_path,
+                                                                    capsys):
     out = tmp_path / "hf"
-    run_normlab(["export", "--checkpoint", str(runs[preset]), "--output", str(out)], cwd=workdir)
+    ok(["export", "--checkpoint", str(runs[preset]), "--output", str(out)], capsys)
     assert {"config.json", "model.safetensors", "generation_config.json", "tokenizer.json"} <= {
         p.name for p in out.iterdir()}
     assert json.loads((out / "config.json").read_text())["model_type"] == model_type
@@ -62,9 +81,9 @@ def test_export_loads_in_transformers_with_our_logits_and_tokenizer(preset, mode
     assert tok.eos_token_id == sp.eos_id()
 
 
-def test_greedy_generation_equals_transformers(runs, workdir, tmp_path):
+def test_greedy_generation_equals_transformers(runs, workdir, tmp_path, capsys):
     out = tmp_path / "hf"
-    run_normlab(["export", "--checkpoint", str(runs["qwen3"]), "--output", str(out)], cwd=workdir)
+    ok(["export", "--checkpoint", str(runs["qwen3"]), "--output", str(out)], capsys)
     hf = transformers.AutoModelForCausalLM.from_pretrained(out, local_files_only=True).eval()
     tok = transformers.AutoTokenizer.from_pretrained(out, local_files_only=True)
     prompt = "the cat sat on"
@@ -103,13 +122,13 @@ def test_qk_norm_gain_tags_in_tensorboard(runs):
         assert scalars(runs["qwen3"].parent.parent, tag) == {0: 1.0}
 
 
-def test_evaluate_single_process_checkpoint(runs, workdir, tmp_path):
+def test_evaluate_single_process_checkpoint(runs, workdir, tmp_path, capsys):
     """By default `evaluate` reads the run's own validation windows: its loss is the val/loss the run itself logged at
     that step. Over the whole validation split, bits per byte follow from the loss and meta.json's byte and token
     counts of that split (the windows cover all but its last few tokens)."""
     run = runs["llama"].parent.parent
     out = tmp_path / "eval.json"
-    run_normlab(["evaluate", "--checkpoint", str(runs["llama"]), "--output", str(out)], cwd=workdir)
+    ok(["evaluate", "--checkpoint", str(runs["llama"]), "--output", str(out)], capsys)
     result = json.loads(out.read_text())
     assert result["step"] == 4 and result["tokens"] == 2 * 4 * 16  # val_batches · batch_size · seq_len
     assert result["loss"] == pytest.approx(scalars(run, "val/loss")[4], rel=1e-5)
@@ -117,23 +136,22 @@ def test_evaluate_single_process_checkpoint(runs, workdir, tmp_path):
 
     val = json.loads((workdir / "tiny" / "meta.json").read_text())["splits"]["val"]
     windows = (val["tokens"] - 1) // 16
-    run_normlab(["evaluate", "--checkpoint", str(runs["llama"]), "--output", str(out), "--max_tokens",
-                 str(windows * 16)], cwd=workdir)
+    ok(["evaluate", "--checkpoint", str(runs["llama"]), "--output", str(out), "--max_tokens", str(windows * 16)],
+       capsys)
     whole = json.loads(out.read_text())
     assert whole["tokens"] == windows * 16
     expected_bpb = whole["loss"] / math.log(2) * val["tokens"] / val["bytes"]
     assert whole["bits_per_byte"] == pytest.approx(expected_bpb, rel=0.02)
 
 
-def test_unexportable_config_names_the_field_and_safetensors_still_works(runs, workdir, tmp_path):
-    proc = run_normlab(["export", "--checkpoint", str(runs["post"]), "--output", str(tmp_path / "hf")], cwd=workdir,
-                       expect_ok=False)
-    assert proc.returncode == 2
-    assert "ModelConfig.norm='layernorm'" in proc.stderr and "--format safetensors" in proc.stderr
+def test_unexportable_config_names_the_field_and_safetensors_still_works(runs, tmp_path, capsys):
+    rc, err = normlab(["export", "--checkpoint", str(runs["post"]), "--output", str(tmp_path / "hf")], capsys)
+    assert rc == 2
+    assert "ModelConfig.norm='layernorm'" in err and "--format safetensors" in err
     assert not (tmp_path / "hf").exists()  # nothing half-written
     out = tmp_path / "own"
-    run_normlab(["export", "--checkpoint", str(runs["post"]), "--output", str(out), "--format", "safetensors",
-                 "--dtype", "bfloat16"], cwd=workdir)
+    ok(["export", "--checkpoint", str(runs["post"]), "--output", str(out), "--format", "safetensors",
+        "--dtype", "bfloat16"], capsys)
     again = load_checkpoint(out)
     original = load_checkpoint(runs["post"]).model
     assert again.model.cfg == original.cfg
@@ -152,11 +170,11 @@ def load_safetensors(out: Path) -> list[torch.Tensor]:
     return [t for f in sorted(out.glob("*.safetensors")) for t in load_file(f).values()]
 
 
-def test_bad_inputs_give_clear_errors(runs, workdir, tmp_path):
+def test_bad_inputs_give_clear_errors(runs, tmp_path, capsys):
     def fails(*args: str) -> str:
-        proc = run_normlab(list(args), cwd=workdir, expect_ok=False)
-        assert proc.returncode == 2, proc.stdout + proc.stderr
-        return proc.stderr
+        rc, err = normlab(list(args), capsys)
+        assert rc == 2, err
+        return err
 
     assert "does not exist" in fails("evaluate", "--checkpoint", str(tmp_path / "nope"))
 

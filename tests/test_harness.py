@@ -33,7 +33,9 @@ def exported(workdir) -> tuple[Path, Path]:
     run_normlab(["fit", "-c", str(HELPERS / "tiny.yaml"), "--data.path", str(workdir / "tiny"), "--runs_dir",
                  str(workdir / "runs"), "--name", "harness", "--trainer.max_steps", "4"], cwd=workdir)
     ckpt = workdir / "runs" / "harness" / "checkpoints" / "step-00000004"
-    run_normlab(["export", "--checkpoint", str(ckpt), "--output", str(workdir / "hf")], cwd=workdir)
+    from training.cli import main
+
+    assert main(["export", "--checkpoint", str(ckpt), "--output", str(workdir / "hf")]) == 0  # (in this process)
     return ckpt, workdir / "hf"
 
 

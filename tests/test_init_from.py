@@ -70,7 +70,7 @@ def test_from_hugging_face_equals_transformers_and_exports_back(kind, world, fro
     assert record["kind"] == "huggingface" and record["path"] == str(source.resolve())
     assert record["sha256"] == init_from.resolve(str(source)).sha256
     out = tmp_path / "export"
-    run_normlab(["export", "--checkpoint", str(run / STEP1), "--output", str(out)], cwd=world["root"])
+    assert main(["export", "--checkpoint", str(run / STEP1), "--output", str(out)]) == 0  # (in this process)
     back = transformers.AutoModelForCausalLM.from_pretrained(out, local_files_only=True).eval()
     assert back.config.head_dim == hf.config.head_dim and back.config.rope_parameters == hf.config.rope_parameters
     tokens = torch.randint(0, 300, (2, 24))
@@ -80,8 +80,8 @@ def test_from_hugging_face_equals_transformers_and_exports_back(kind, world, fro
 
 def test_from_a_normlab_export_and_checkpoint_unchanged_is_kl_zero(world, from_hf_runs):
     out = world["root"] / "qwen3-export"
-    run_normlab(["export", "--checkpoint", str(from_hf_runs["qwen3"] / STEP1), "--output", str(out), "--format",
-                 "safetensors"], cwd=world["root"])
+    assert main(["export", "--checkpoint", str(from_hf_runs["qwen3"] / STEP1), "--output", str(out), "--format",
+                 "safetensors"]) == 0  # (in this process)
     run_normlab(fit_args(world["config"], world["data"], world["runs"], "from-export", "--init_from", str(out)),
                 cwd=world["root"])
     run = world["runs"] / "from-export"

@@ -1,7 +1,8 @@
 """Reliability under real 2-process DeepSpeed ZeRO-2 on CPU: kill -9 during a save and between steps, the
 non-finite guard, and resuming on another world size.
 
-One uninterrupted reference run (checkpoints every 2 steps, the newest 2 kept) is shared by every test. The
+One uninterrupted reference run (checkpoints every 2 steps, the newest 2 kept) is shared by the module's tests;
+the ZeRO-1 resume on one rank starts from the session's reference runs (tests/helpers/zero_runs.py) instead. The
 module takes ~2-3 minutes on 2 idle cores, almost all of it process start-up.
 """
 from __future__ import annotations
@@ -15,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.helpers import zero_runs
 from tests.helpers.faults import kill_when_paused, run_with_faults
 from tests.helpers.multiproc import REPO, run_normlab
 from tests.helpers.runs import consolidated_state_dict, scalars, table_value
@@ -181,16 +183,22 @@ def test_validate_on_another_world_size(workdir, reference):
     assert validated == pytest.approx(scalars(reference, "val/loss")[8], rel=1e-6)
 
 
-def test_zero1_resumes_on_one_rank(workdir, reference, tmp_path):
-    """ZeRO-1 (partitioned optimizer state, whole gradients) through the same universal conversion: 2 ranks to
-    step 6, then 1 rank with the same global batch, ends at the ZeRO-2 reference's weights to fp32 rounding
-    (the stages differ only in summation order: measured 1e-7)."""
-    schedule = ["--trainer.strategy", "zero1", "--optim.decay_steps", "8"]  # the reference's LR schedule
-    run_normlab([*fit_args(workdir, "zero1", *schedule), "--trainer.max_steps", "6"], cwd=workdir)
-    run_normlab(fit_args(workdir, "zero1", *schedule, "--ckpt_path", "last", "--trainer.accumulate_grad_batches", "4",
-                         devices=1), cwd=workdir)
-    assert json.loads((ckpt(workdir, "zero1", 8) / "manifest.json").read_text())["zero_stage"] == 1
-    assert max_weight_diff(ckpt(workdir, "reference", 8), ckpt(workdir, "zero1", 8), tmp_path) < 1e-6
+def test_zero1_resumes_on_one_rank(zero_workdir, zero1_run, zero2_run, tmp_path):
+    """ZeRO-1 (partitioned optimizer state, whole gradients) through the same universal conversion: the session's
+    2-rank ZeRO-1 run (tests/helpers/zero_runs.py) resumed from its step 4 on 1 rank with the same global batch
+    ends at the session's 2-rank ZeRO-2 run's weights to fp32 rounding (the stages differ only in summation
+    order)."""
+    name = "zero1-on-one-rank"  # beside the session's runs, as the resume reads their data
+    # a copy: the conversion caches the universal checkpoint beside the shards, and the session's run stays as it was
+    step4 = Path(shutil.copytree(zero1_run / "checkpoints" / "step-00000004", tmp_path / "step-00000004"))
+    args = zero_runs.fit_args(zero_workdir, name, "zero1", "--ckpt_path", str(step4),
+                              "--trainer.accumulate_grad_batches", "4")
+    args[args.index("--trainer.devices") + 1] = "1"
+    run_normlab(args, cwd=zero_workdir)
+    resumed = zero_workdir / "runs" / name / "checkpoints" / "step-00000008"
+    manifest = json.loads((resumed / "manifest.json").read_text())
+    assert manifest["zero_stage"] == 1 and manifest["world_size"] == 1
+    assert max_weight_diff(zero2_run / "checkpoints" / "step-00000008", resumed, tmp_path) < 1e-6
 
 
 def test_a_shard_write_failing_on_rank_1_stops_every_rank(workdir):

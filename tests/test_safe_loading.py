@@ -2,11 +2,12 @@
 manifest.py).
 
 Real checkpoints of every kind normlab writes — a single-process `model.ckpt` and 2-rank DeepSpeed ZeRO-1/2/3
-shards, built once for the module — get a crafted object whose unpickling runs `touch MARKER` (what a malicious
-checkpoint does with `os.system`); the manifest's sizes and sha256 are then updated to match, so only the
-unpickling guard can stop it. Every command that reads a checkpoint must refuse it with one line, and the
-marker must never appear. The module builds 4 runs and starts ~12 normlab processes (7 of them 2-rank): 35 min
-measured on the shared 2-core box at load average ~25, almost all of it process start-up.
+shards: the session's reference runs (tests/helpers/zero_runs.py, which tests/test_training_deepspeed.py checks),
+copied — get a crafted object whose unpickling runs `touch MARKER` (what a malicious checkpoint does with
+`os.system`); the manifest's sizes and sha256 are then updated to match, so only the unpickling guard can stop
+it. Every command that reads a checkpoint must refuse it with one line, and the marker must never appear. Besides
+the 4 shared runs, the module starts 6 normlab processes (4 of them 2-rank), almost all of their time start-up;
+the one-process fits, and every other command, run in this process.
 """
 from __future__ import annotations
 
@@ -42,14 +43,18 @@ class Payload:
         return os.system, (f"touch {self.marker}",)
 
 
+STEP = 8  # the reference runs' last checkpoint (they save steps 4 and 8)
+
+
 def fit_args(workdir: Path, name: str, kind: str, *extra: str) -> list[str]:
+    """A fit of `kind` that would train past STEP: resumed or branched from a checkpoint, it has steps left."""
     return ["fit", "-c", str(HELPERS / "tiny.yaml"), "--data.path", str(workdir / "tiny"), "--runs_dir",
-            str(workdir / "runs"), "--name", name, "--trainer.max_steps", "2", "--checkpoint.every_n_steps", "2",
-            "--metrics.every_n_steps", "0", *KINDS[kind], *extra]
+            str(workdir / "runs"), "--name", name, "--trainer.max_steps", str(STEP + 2), "--checkpoint.every_n_steps",
+            "2", "--metrics.every_n_steps", "0", *KINDS[kind], *extra]
 
 
 def step_dir(run: Path) -> Path:
-    return run / "checkpoints" / "step-00000002"
+    return run / "checkpoints" / f"step-{STEP:08d}"
 
 
 def reseal(ckpt_dir: Path) -> None:
@@ -77,23 +82,24 @@ def payload_files(ckpt_dir: Path) -> list[Path]:
 
 
 @pytest.fixture(scope="module")
-def runs(workdir) -> dict[str, Path]:
-    """One clean 2-step run of each kind."""
-    for kind in KINDS:
-        run_normlab(fit_args(workdir, kind, kind), cwd=workdir, timeout=TIMEOUT)
-    return {kind: workdir / "runs" / kind for kind in KINDS}
+def runs(single_run, zero1_run, zero2_run, zero3_run) -> dict[str, Path]:
+    """One clean run of each kind: the session's reference runs (read only: copy before changing anything)."""
+    return {"single": single_run, "zero1": zero1_run, "zero2": zero2_run, "zero3": zero3_run}
 
 
 @pytest.fixture(scope="module")
 def crafted(runs, workdir) -> dict[str, tuple[Path, Path]]:
-    """{kind: (run directory, marker)}: a copy of each run whose checkpoint carries the payload, resealed."""
+    """{kind: (run directory, marker)}: a copy of each run whose every checkpoint carries the payload, resealed.
+    (The copy leaves out an `eval/` that a test of the reference runs may have written: none may appear.)"""
     out = {}
     for kind, run in runs.items():
-        copy = Path(shutil.copytree(run, workdir / "crafted" / kind))
+        copy = Path(shutil.copytree(run, workdir / "crafted" / kind,
+                                    ignore=lambda d, names, top=run: ["eval"] if Path(d) == top else []))
         marker = workdir / f"MARKER-{kind}"
-        for file in payload_files(step_dir(copy)):
-            plant(file, marker)
-        reseal(step_dir(copy))
+        for ckpt in sorted((copy / "checkpoints").glob("step-*")):
+            for file in payload_files(ckpt):
+                plant(file, marker)
+            reseal(ckpt)
         out[kind] = copy, marker
     return out
 
@@ -112,6 +118,15 @@ def normlab_inprocess(args: list[str], capsys) -> tuple[int, str]:
     rc = main(args)
     captured = capsys.readouterr()
     return rc, captured.out + captured.err
+
+
+def fit_refused(args: list[str], kind: str, workdir: Path, capsys) -> tuple[int, str]:
+    """`normlab fit <args>` launched as `kind`: one process runs in this one (as `normlab_inprocess`: the same
+    entry point, one process start-up fewer), 2 ranks as their own processes."""
+    if kind == "single":
+        return normlab_inprocess(args, capsys)
+    proc = run_normlab(args, cwd=workdir, expect_ok=False, timeout=TIMEOUT)
+    return proc.returncode, proc.stdout + proc.stderr
 
 
 @pytest.mark.parametrize("kind", list(KINDS))
@@ -133,37 +148,35 @@ def test_plain_commands_refuse_a_crafted_checkpoint(kind, crafted, tmp_path, cap
 def test_compare_reads_no_pickle(crafted, tmp_path, capsys):
     """`compare` reads TensorBoard events and manifests (JSON), never a pickled file."""
     run, marker = crafted["zero2"]
-    # (2-step runs: no validation yet, so the metric compared is train/loss)
     rc, output = normlab_inprocess(["compare", str(run), "--metric", "train/loss", "--plot", str(tmp_path / "c.png")],
                                    capsys)
     assert rc == 0 and not marker.exists(), output[-3000:]
 
 
 @pytest.mark.parametrize("kind", list(KINDS))
-def test_fit_resume_refuses_a_crafted_checkpoint(kind, crafted, workdir):
+def test_fit_resume_refuses_a_crafted_checkpoint(kind, crafted, workdir, capsys):
     run, marker = crafted[kind]
-    proc = run_normlab(fit_args(workdir, f"resumed-{kind}", kind, "--ckpt_path", str(step_dir(run))), cwd=workdir,
-                       expect_ok=False, timeout=TIMEOUT)
-    assert_refused(proc.stdout + proc.stderr, proc.returncode, marker, payload_files(step_dir(run))[0].name)
+    rc, output = fit_refused(fit_args(workdir, f"resumed-{kind}", kind, "--ckpt_path", str(step_dir(run))), kind,
+                             workdir, capsys)
+    assert_refused(output, rc, marker, payload_files(step_dir(run))[0].name)
     assert not list((workdir / "runs" / f"resumed-{kind}").glob("checkpoints/step-*"))
 
 
 @pytest.mark.parametrize("kind", ["single", "zero3"])
-def test_fit_branch_from_refuses_a_crafted_checkpoint(kind, crafted, workdir):
+def test_fit_branch_from_refuses_a_crafted_checkpoint(kind, crafted, workdir, capsys):
     run, marker = crafted[kind]
-    proc = run_normlab(fit_args(workdir, f"branch-{kind}", kind, "--branch_from", str(step_dir(run)),
-                                "--trainer.max_steps", "4"), cwd=workdir, expect_ok=False,
-                       timeout=TIMEOUT)
-    assert_refused(proc.stdout + proc.stderr, proc.returncode, marker, payload_files(step_dir(run))[0].name)
+    rc, output = fit_refused(fit_args(workdir, f"branch-{kind}", kind, "--branch_from", str(step_dir(run))), kind,
+                             workdir, capsys)
+    assert_refused(output, rc, marker, payload_files(step_dir(run))[0].name)
 
 
 @pytest.mark.parametrize("kind", ["single", "zero2"])
-def test_fit_init_from_refuses_a_crafted_checkpoint(kind, crafted, workdir):
+def test_fit_init_from_refuses_a_crafted_checkpoint(kind, crafted, workdir, capsys):
     """`fit --init_from` a crafted checkpoint (a Lightning file, DeepSpeed shards): refused, nothing runs."""
     run, marker = crafted[kind]
-    proc = run_normlab(fit_args(workdir, f"init-{kind}", "single", "--init_from", str(step_dir(run))), cwd=workdir,
-                       expect_ok=False, timeout=TIMEOUT)
-    assert_refused(proc.stdout + proc.stderr, proc.returncode, marker, payload_files(step_dir(run))[0].name)
+    rc, output = fit_refused(fit_args(workdir, f"init-{kind}", "single", "--init_from", str(step_dir(run))), "single",
+                             workdir, capsys)
+    assert_refused(output, rc, marker, payload_files(step_dir(run))[0].name)
     assert not list((workdir / "runs" / f"init-{kind}").glob("checkpoints/step-*"))
 
 
@@ -185,7 +198,7 @@ def test_universal_conversion_and_cache_refuse_code(runs, crafted, workdir, tmp_
         to_universal(step_dir(run))
     assert not marker.exists() and not list(step_dir(run).glob(f"*{UNIVERSAL_TAG}*"))  # nothing written
 
-    clean = Path(shutil.copytree(step_dir(runs["zero2"]), tmp_path / "step-00000002"))
+    clean = Path(shutil.copytree(step_dir(runs["zero2"]), tmp_path / step_dir(runs["zero2"]).name))
     to_universal(clean)  # the real cache, converted from clean shards
     marker = workdir / "MARKER-universal"
     plant(clean / UNIVERSAL_TAG / "zero" / "optimizer_state.pt", marker)
@@ -221,7 +234,7 @@ def test_allow_list_is_exactly_what_real_checkpoints_need(runs, tmp_path):
     from training.checkpointing.safe import _allowed, safe_torch_load
     from training.strategy import to_universal
 
-    universal = Path(shutil.copytree(step_dir(runs["zero1"]), tmp_path / "step-00000002"))
+    universal = Path(shutil.copytree(step_dir(runs["zero1"]), tmp_path / step_dir(runs["zero1"]).name))
     to_universal(universal)
     files = [p for run in runs.values() for p in step_dir(run).rglob("*") if p.suffix in (".pt", ".ckpt")]
     files += list(universal.rglob("checkpoint_universal/**/*.pt"))
@@ -248,7 +261,7 @@ def flip_tensor_byte(file: Path) -> None:
 @pytest.mark.parametrize("kind, shard", [("single", "model.ckpt"),
                                          ("zero2", "checkpoint/zero_pp_rank_1_mp_rank_00_optim_states.pt")])
 def test_a_flipped_byte_is_refused_by_its_hash(kind, shard, runs, tmp_path, capsys):
-    copy = Path(shutil.copytree(step_dir(runs[kind]), tmp_path / "step-00000002"))
+    copy = Path(shutil.copytree(step_dir(runs[kind]), tmp_path / step_dir(runs[kind]).name))
     flip_tensor_byte(copy / shard)
     from training.checkpointing.safe import safe_torch_load
 

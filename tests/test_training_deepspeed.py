@@ -3,8 +3,10 @@ consolidation of a sharded checkpoint into a plain `model.Transformer` state dic
 
 Runs are shared: the 2-rank ZeRO-2 run (Lightning's own launcher) is the reference that a resumed ZeRO-2 run
 and 2-node launches (torchrun, deepspeed launcher) must reproduce bit for bit, and ZeRO-1 and ZeRO-3 to fp32
-rounding (those through torchrun, which starts both ranks at once). The module takes ~2-3 minutes on 2 idle
-cores, almost all of it process start-up.
+rounding (those through torchrun, which starts both ranks at once). These reference runs are the session's
+(tests/helpers/zero_runs.py: tests/test_safe_loading.py crafts copies of the same checkpoints), and so is this
+module's directory: every run here sits beside them. The module takes ~2-3 minutes on 2 idle cores, almost all
+of it process start-up.
 """
 from __future__ import annotations
 
@@ -21,17 +23,18 @@ from model import ModelConfig, Transformer
 from tests.helpers.faults import signal_when_waiting
 from tests.helpers.multiproc import REPO, cpu_env, free_port, run_deepspeed_nodes, run_normlab, run_torchrun
 from tests.helpers.runs import consolidated_state_dict, scalars
+from tests.helpers.zero_runs import fit_args
 
 pytestmark = pytest.mark.slow
 
-HELPERS = REPO / "tests" / "helpers"
 TAGS = ("train/loss", "train/lr", "val/loss", "probe/rng")
 
 
-def fit_args(workdir: Path, name: str, stage: str, *extra: str, probe: str = "probe.yaml") -> list[str]:
-    return ["fit", "-c", str(HELPERS / "tiny.yaml"), "-c", str(HELPERS / probe), "--data.path", str(workdir / "tiny"),
-            "--runs_dir", str(workdir / "runs"), "--name", name, "--trainer.strategy", stage,
-            "--trainer.devices", "2", *extra]
+@pytest.fixture(scope="module")
+def workdir(zero_workdir) -> Path:
+    """The session's directory of the reference runs (tests/conftest.py): this module's runs resume and compare
+    with them there."""
+    return zero_workdir
 
 
 def run_dir(workdir: Path, name: str) -> Path:
@@ -39,22 +42,19 @@ def run_dir(workdir: Path, name: str) -> Path:
 
 
 @pytest.fixture(scope="module")
-def zero2(workdir) -> Path:
+def zero2(zero2_run) -> Path:
     """The reference: 2 ranks, ZeRO-2, started by Lightning's own launcher."""
-    run_normlab(fit_args(workdir, "zero2", "zero2"), cwd=workdir)
-    return run_dir(workdir, "zero2")
+    return zero2_run
 
 
 @pytest.fixture(scope="module")
-def zero1(workdir) -> Path:
-    run_torchrun(fit_args(workdir, "zero1", "zero1"), cwd=workdir)
-    return run_dir(workdir, "zero1")
+def zero1(zero1_run) -> Path:
+    return zero1_run
 
 
 @pytest.fixture(scope="module")
-def zero3(workdir) -> Path:
-    run_torchrun(fit_args(workdir, "zero3", "zero3"), cwd=workdir)
-    return run_dir(workdir, "zero3")
+def zero3(zero3_run) -> Path:
+    return zero3_run
 
 
 def ckpt(run: Path, step: int) -> Path:
@@ -216,12 +216,9 @@ def test_zero3_checkpoint_consolidates_into_transformer(zero3, zero2, tmp_path):
 
 # ---- training-health metrics and evaluation of DeepSpeed checkpoints (they reuse the runs above) -------------
 @pytest.fixture(scope="module")
-def single(workdir) -> Path:
+def single(single_run) -> Path:
     """The ZeRO-2 reference's batches in one plain process: 2 ranks x 4 samples = 8 per micro-batch."""
-    args = fit_args(workdir, "single", "auto", "--data.batch_size", "8")
-    args[args.index("--trainer.devices") + 1] = "1"
-    run_normlab(args, cwd=workdir)
-    return run_dir(workdir, "single")
+    return single_run
 
 
 N_LAYERS = 2  # tests/helpers/tiny.yaml
@@ -266,14 +263,17 @@ def test_health_metrics_and_layout_in_tensorboard(zero2):
 
 
 @pytest.mark.parametrize("stage", ["zero2", "zero3"])
-def test_evaluate_deepspeed_checkpoint_matches_logged_validation(stage, request, zero2, tmp_path):
-    """`normlab evaluate` consolidates a 2-rank ZeRO checkpoint in one CPU process and reproduces the run's own
-    val/loss at that step; the JSON and the run's TensorBoard get the numbers."""
+def test_evaluate_deepspeed_checkpoint_matches_logged_validation(stage, request, zero2, tmp_path, capsys):
+    """`normlab evaluate` consolidates a 2-rank ZeRO checkpoint in one CPU process — this one, through the console
+    script's entry point — and reproduces the run's own val/loss at that step; the JSON and the run's TensorBoard
+    get the numbers."""
     import math
+
+    from training.cli import main
 
     run = request.getfixturevalue(stage)
     out = tmp_path / "eval.json"
-    run_normlab(["evaluate", "--checkpoint", str(ckpt(run, 8)), "--output", str(out)], cwd=run.parent.parent)
+    assert main(["evaluate", "--checkpoint", str(ckpt(run, 8)), "--output", str(out)]) == 0, capsys.readouterr().err
     result = json.loads(out.read_text())
     assert result["step"] == 8 and result["split"] == "val"
     assert result["loss"] == pytest.approx(scalars(run, "val/loss")[8], rel=1e-5)

@@ -22,6 +22,7 @@ from training.study.measure import (
     INPUT_SCALES,
     block_ablation,
     dim_spread,
+    final_loss,
     input_scaling,
     norm_inputs,
     outcome,
@@ -143,6 +144,14 @@ def test_claim_21_times_like_for_like_pairs_of_the_same_math():
 ])
 def test_outcome(losses, diverged_at, expected):
     assert outcome({"losses": losses, "diverged_at": diverged_at}) == expected
+
+
+def test_a_finite_runaway_held_out_loss_is_a_divergence():
+    """A run that trained but whose held-out loss ends above its first training loss diverged: its loss is an
+    outcome (inf), not a number to average."""
+    run = {"losses": [7.0] * 5 + [6.0, 5.0, 4.0, 3.0, 2.0], "diverged_at": None, "val_loss": 9.7e6}
+    assert outcome(run) == "diverged" and final_loss(run) == math.inf
+    assert final_loss(run | {"val_loss": 2.5}) == 2.5
 
 
 @pytest.mark.parametrize("argv, field", [(["--claims", "23"], "--claims"), (["--claims", "a,b"], "--claims"),

@@ -435,6 +435,12 @@ REVISIONS = (
     "(the isotropy ratio instead of |mean|/RMS < 0.1, which was the isotropic-noise value at d = 64), 9 (the "
     "no-norm model's own growth instead of none − RMSNorm, an ε artifact), 10 (stream growth instead of the "
     "update RMS an output norm fixes by construction). The margins were set before the v3 run.",
+    "After the v3 run: two no-norm seeds at lr 1e-3 (claim 17) showed a divergence hidden in a finite number — one "
+    "with a 1.5·10⁶ loss spike in its last 10% of steps (the outcome rule already called it diverged), one that "
+    "trained normally but ended with a held-out loss of 9.7·10⁶. Both had been averaged as numbers; both now count "
+    "as diverged in every statistic, and a held-out loss above the untrained model's is a divergence. Only claim "
+    "17's runs table and best-LR means see them (its LR statistics already capped them at the loss at init); no "
+    "verdict changed.",
 )
 
 

@@ -202,8 +202,9 @@ def train_run(spec: Train, seed: int, scale: Scale, batches: Iterator[torch.Tens
 
 
 def final_loss(result: dict) -> float:
-    """The trained model's held-out loss; +inf for a run whose loss became non-finite."""
-    return result["val_loss"]
+    """The trained model's held-out loss; +inf for a run that diverged (`outcome`) — a finite loss of 10⁶ is a
+    divergence, not a number to average."""
+    return math.inf if outcome(result) == "diverged" else result["val_loss"]
 
 
 def initial_loss(result: dict) -> float:
@@ -212,8 +213,12 @@ def initial_loss(result: dict) -> float:
 
 
 def outcome(result: dict) -> str:
-    """trains / stalled / diverged (`training.stats.training_outcome`, shared with the sweeps' report)."""
-    return training_outcome(result["losses"], result["diverged_at"] is not None)
+    """trains / stalled / diverged from the training losses (`training.stats.training_outcome`, shared with the
+    sweeps' report); a run whose held-out loss ends above the untrained model's first loss also diverged."""
+    kind = training_outcome(result["losses"], result["diverged_at"] is not None)
+    if kind != "diverged" and result.get("val_loss", -math.inf) > initial_loss(result):
+        return "diverged"
+    return kind
 
 
 def at_init(spec: AtInit, seed: int, scale: Scale, tokens: torch.Tensor, vocab_size: int) -> dict:

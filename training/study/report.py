@@ -28,6 +28,11 @@ def _ci(e) -> str:
     return f"{e.mean:.3g} [{e.lo:.3g}, {e.hi:.3g}] (n={e.n}, df {e.df:.0f})"
 
 
+def _cell(text: str) -> str:
+    """Text for a Markdown table cell: a literal | (as in |mean|) would end the cell."""
+    return text.replace("|", "\\|")
+
+
 def _fmt(x: float) -> str:
     return f"{x:.3g}" if isinstance(x, float) else str(x)
 
@@ -202,8 +207,8 @@ def claim_section(claim: Claim, verdict: str, outcomes: list[Outcome], ctx: Cont
     lines += ["", "| test | kind | margin | verdict | estimate [95% CI] | numbers | per seed |",
               "|---|---|---|---|---|---|---|"]
     for o in outcomes:
-        lines.append(f"| {o.test.id}: {o.test.text} | {TIER_LABEL[o.test.tier]} | {_margin(o)} | **{o.verdict}** | "
-                     f"{_ci(o.shown)} | {o.numbers()} | {_per_seed(o)} |")
+        lines.append(f"| {o.test.id}: {_cell(o.test.text)} | {TIER_LABEL[o.test.tier]} | {_margin(o)} | "
+                     f"**{o.verdict}** | {_ci(o.shown)} | {o.numbers()} | {_per_seed(o)} |")
     if claim.number == 9 and "toy" in ctx.extra:
         toy = ctx.extra["toy"]
         lines += ["", "Toy, RMS seen by layer (no norm / with norm): "
@@ -250,8 +255,8 @@ def summary_rows(judged: list) -> list[str]:
         if verdict == "PASS" and o.test.margin and abs(o.shown.lo if o.shown.mean > 0 else o.shown.hi) < o.test.margin:
             verdict += " †"
         mde = "—" if math.isnan(o.mde) else f"{o.mde:.3g}"
-        rows.append(f"| {claim.number}. {claim.title} | {o.test.id}: {o.test.text} | {_margin(o)} | **{verdict}** | "
-                    f"{_ci(o.shown)} | {power} | {mde} |")
+        rows.append(f"| {claim.number}. {claim.title} | {o.test.id}: {_cell(o.test.text)} | {_margin(o)} | "
+                    f"**{verdict}** | {_ci(o.shown)} | {power} | {mde} |")
     return rows
 
 

@@ -59,13 +59,8 @@ def _norm_input_hooks(model: Transformer, seen: dict[str, torch.Tensor]) -> list
             if isinstance(m, Norm) and not n.endswith(("q_norm", "k_norm"))]
 
 
-def norm_inputs(model: Transformer, tokens: torch.Tensor) -> dict[str, dict[str, float]]:
-    """For every stream norm (block and final; not the QK-norms): the input it normalizes on `tokens`, as
-    - `mean_over_rms`: token mean of |mean(x)| / RMS(x) (√(2/(πd)) ≈ 0.1 at d = 64 for isotropic noise);
-    - `isotropy`: d·E[mean(x)²] / E[RMS(x)²] over tokens — 1 when the features are isotropic zero-mean noise,
-      whatever the width; large when the tokens share a mean offset;
-    - `ln_vs_rms`: token mean of ‖LN(x) − RMSNorm(x)‖ / ‖RMSNorm(x)‖, both without gains, eps 1e-5 —
-    how far from zero-mean the real activations are, and what centring changes on them."""
+def _stream_norm_inputs(model: Transformer, tokens: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Every stream norm's input (float64) in one forward pass on `tokens` [B, T+1], by module name."""
     seen: dict[str, torch.Tensor] = {}
     handles = _norm_input_hooks(model, seen)
     try:
@@ -74,8 +69,18 @@ def norm_inputs(model: Transformer, tokens: torch.Tensor) -> dict[str, dict[str,
     finally:
         for h in handles:
             h.remove()
+    return seen
+
+
+def norm_inputs(model: Transformer, tokens: torch.Tensor) -> dict[str, dict[str, float]]:
+    """For every stream norm (block and final; not the QK-norms): the input it normalizes on `tokens`, as
+    - `mean_over_rms`: token mean of |mean(x)| / RMS(x) (√(2/(πd)) ≈ 0.1 at d = 64 for isotropic noise);
+    - `isotropy`: d·E[mean(x)²] / E[RMS(x)²] over tokens — 1 when the features are isotropic zero-mean noise,
+      whatever the width; large when the tokens share a mean offset;
+    - `ln_vs_rms`: token mean of ‖LN(x) − RMSNorm(x)‖ / ‖RMSNorm(x)‖, both without gains, eps 1e-5 —
+    how far from zero-mean the real activations are, and what centring changes on them."""
     out = {}
-    for name, x in seen.items():
+    for name, x in _stream_norm_inputs(model, tokens).items():
         d = x.shape[-1]
         mean, ms = x.mean(-1), x.pow(2).mean(-1)
         rms_n = x / (ms[..., None] + 1e-5).sqrt()
@@ -91,15 +96,8 @@ def dim_spread(model: Transformer, tokens: torch.Tensor) -> float:
     "some dimensions grow large, others stay small"); NaN for a model without a final norm."""
     if model.norm is None:
         return math.nan
-    seen: dict[str, torch.Tensor] = {}
-    handles = _norm_input_hooks(model, seen)
-    try:
-        with torch.no_grad():
-            model(tokens[:, :-1])
-    finally:
-        for h in handles:
-            h.remove()
-    x = seen["norm"].reshape(-1, seen["norm"].shape[-1])
+    final_in = _stream_norm_inputs(model, tokens)["norm"]
+    x = final_in.reshape(-1, final_in.shape[-1])
     per_dim = x.pow(2).mean(0).sqrt()
     return math.log(per_dim.max().item() / per_dim.median().clamp_min(1e-300).item())
 

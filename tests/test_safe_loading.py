@@ -6,7 +6,7 @@ shards: the session's reference runs (tests/helpers/zero_runs.py, which tests/te
 copied — get a crafted object whose unpickling runs `touch MARKER` (what a malicious checkpoint does with
 `os.system`); the manifest's sizes and sha256 are then updated to match, so only the unpickling guard can stop
 it. Every command that reads a checkpoint must refuse it with one line, and the marker must never appear. Besides
-the 4 shared runs, the module starts 6 normlab processes (4 of them 2-rank), almost all of their time start-up;
+the 4 shared runs, the module starts 7 normlab processes (4 of them 2-rank), almost all of their time start-up;
 the one-process fits, and every other command, run in this process.
 """
 from __future__ import annotations
@@ -178,6 +178,22 @@ def test_fit_init_from_refuses_a_crafted_checkpoint(kind, crafted, workdir, caps
                              workdir, capsys)
     assert_refused(output, rc, marker, payload_files(step_dir(run))[0].name)
     assert not list((workdir / "runs" / f"init-{kind}").glob("checkpoints/step-*"))
+
+
+@pytest.mark.parametrize("kind, command", [("single", "validate"), ("single", "test"), ("zero2", "validate")])
+def test_validate_and_test_refuse_a_crafted_checkpoint(kind, command, crafted, workdir, capsys):
+    """Lightning's own `validate` / `test` with `--ckpt_path` a crafted checkpoint: refused in one line, nothing
+    runs (the ZeRO-2 one on 1 rank, through DeepSpeed's inference engine, in a process of its own)."""
+    run, marker = crafted[kind]
+    args = [command, "-c", str(HELPERS / "tiny.yaml"), "--data.path", str(workdir / "tiny"), "--runs_dir",
+            str(workdir / "runs"), "--name", f"{command}-{kind}", "--ckpt_path", str(step_dir(run))]
+    if kind == "single":
+        rc, output = normlab_inprocess(args, capsys)
+    else:
+        proc = run_normlab([*args, "--trainer.strategy", kind, "--trainer.devices", "1"], cwd=workdir,
+                           expect_ok=False, timeout=TIMEOUT)
+        rc, output = proc.returncode, proc.stdout + proc.stderr
+    assert_refused(output, rc, marker, payload_files(step_dir(run))[0].name)
 
 
 def test_universal_conversion_and_cache_refuse_code(runs, crafted, workdir, tmp_path):

@@ -9,6 +9,7 @@ import pytest
 import scipy.stats as scipy_stats
 
 from training.stats import (
+    EQUIVALENT,
     FAIL,
     INCONCLUSIVE,
     PASS,
@@ -23,7 +24,7 @@ from training.study import claims as claims_module
 from training.study.claims import LOSS
 from training.study.claims import Test as ClaimTest
 from training.study.grid import SCALES, AtInit, Train, shallow
-from training.study.judge import EQUIVALENT, Context, decide, judge_all, measure
+from training.study.judge import Context, decide, judge_all, measure
 
 SCALE = SCALES["quick"]
 
@@ -70,16 +71,11 @@ def _t(kind="greater", margin=LOSS, threshold=0.0):
 def _decide(kind: str, diffs: list[float], discordant=(0, 0), margin=LOSS) -> str:
     test = _t(kind, margin)
     e = estimate(diffs)
-    p = {"difference": e.p_value() if kind != "equivalent" else _p_beyond(e, margin),
+    p = {"difference": e.p_value() if kind != "equivalent" else e.p_exceeds(margin),
          "equivalence": e.p_equivalent(margin), "outcome": math.nan}
     if sum(discordant):
         p["outcome"] = scipy_stats.binomtest(discordant[0], sum(discordant), 0.5).pvalue
     return decide(test, e, p, discordant)
-
-
-def _p_beyond(e, m):
-    from training.study.judge import _p_beyond
-    return _p_beyond(e, m)
 
 
 @pytest.mark.parametrize("kind, diffs, expected", [

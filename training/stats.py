@@ -92,6 +92,17 @@ class Estimate:
         p_upper = _scipy.t.cdf((self.mean - margin) / self.se, self.df)  # H0: mean ≥ +margin
         return float(min(1.0, 2 * max(p_lower, p_upper)))
 
+    def p_exceeds(self, margin: float) -> float:
+        """The reverse of `p_equivalent`: p of |mean| > margin, the smaller of the two one-sided tests (mean >
+        +margin, mean < −margin) doubled, so < α exactly when the (1−α) interval lies wholly outside ±margin.
+        NaN without a noise estimate."""
+        margin = abs(margin)
+        if not math.isfinite(self.mean) or self.df < 1 or self.se <= 0:
+            return math.nan
+        p_above = _scipy.t.sf((self.mean - margin) / self.se, self.df)  # H0: mean ≤ +margin
+        p_below = _scipy.t.cdf((self.mean + margin) / self.se, self.df)  # H0: mean ≥ −margin
+        return float(min(1.0, 2 * min(p_above, p_below)))
+
 
 def t_quantile(q: float, df: float) -> float:
     """The q-quantile of Student's t with `df` degrees of freedom."""
@@ -220,8 +231,8 @@ def _metric_verdict(d: Estimate, p_diff: float, p_equiv: float, better: str, alp
     return INCONCLUSIVE
 
 
-def _verdict(d: Estimate, p_diff: float, p_equiv: float, better: str, alpha: float,
-             discordant: tuple[int, int], p_outcome: float) -> str:
+def comparison_verdict(d: Estimate, p_diff: float, p_equiv: float, better: str, alpha: float,
+                       discordant: tuple[int, int], p_outcome: float) -> str:
     """The verdict of one comparison from its Holm-adjusted p-values.
 
     With no seed that diverged in one arm only, the metric decides (`d` is over the seeds where both arms have
@@ -259,7 +270,8 @@ def judge_family(differences: Mapping[str, Estimate], margin: float | None, bett
     p_out = [outcome_test(0, 0, 0, 0, discordant=c) if sum(c) else math.nan for c in counts]
     adj_diff, adj_equiv, adj_out = holm(p_diff), holm(p_equiv), holm(p_out)
     return {n: Judgement(differences[n], margin, p_diff[i], p_equiv[i], adj_diff[i], adj_equiv[i],
-                         _verdict(differences[n], adj_diff[i], adj_equiv[i], better, alpha, counts[i], adj_out[i]),
+                         comparison_verdict(differences[n], adj_diff[i], adj_equiv[i], better, alpha, counts[i],
+                                            adj_out[i]),
                          counts[i], p_out[i], adj_out[i])
             for i, n in enumerate(names)}
 

@@ -17,15 +17,16 @@ import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from scipy import stats as _scipy
-
 from training.stats import (
     ALPHA,
+    BETTER,
+    EQUIVALENT,
     FAIL,
-    INCONCLUSIVE,
     PASS,
+    WORSE,
     Estimate,
     capped_loss,
+    comparison_verdict,
     difference,
     estimate,
     holm,
@@ -40,7 +41,6 @@ from training.study.claims import MECHANISM, PRIMARY, REPORT, Claim, Test
 from training.study.grid import AtInit, Scale, Spec, Train
 from training.study.measure import final_loss, initial_loss, outcome
 
-EQUIVALENT = "EQUIVALENT"
 ABLATION_FLOOR = 1e-4  # nats: a removed block's loss increase counts as at least this (log of a ratio)
 
 
@@ -326,15 +326,6 @@ def _samples(ctx: Context, test: Test) -> tuple[list[float], list[float] | None]
     return a, (fn(ctx, test.b, **test.params) if test.b is not None else None)
 
 
-def _p_beyond(e: Estimate, margin: float) -> float:
-    """p of the test that |effect| > margin (both one-sided tests at α/2): the reverse of equivalence."""
-    if not math.isfinite(e.mean) or e.df < 1 or e.se <= 0:
-        return math.nan
-    upper = _scipy.t.sf((e.mean - margin) / e.se, e.df)  # H0: effect ≤ +margin
-    lower = _scipy.t.cdf((e.mean + margin) / e.se, e.df)  # H0: effect ≥ −margin
-    return float(min(1.0, 2 * min(upper, lower)))
-
-
 def measure(ctx: Context, test: Test) -> Outcome:
     """A test's samples and estimates, and its unadjusted p-values."""
     a, b = _samples(ctx, test)
@@ -355,7 +346,7 @@ def measure(ctx: Context, test: Test) -> Outcome:
     if test.kind == "exact":
         return out
     m = test.margin
-    out.p = {"difference": _p_beyond(e, m) if test.kind == "equivalent" else e.p_value(),
+    out.p = {"difference": e.p_exceeds(m) if test.kind == "equivalent" else e.p_value(),
              "equivalence": e.p_equivalent(m) if m else math.nan,
              "outcome": outcome_test(0, 0, 0, 0, discordant=out.discordant) if sum(out.discordant) else math.nan}
     if e.n > 1 and math.isfinite(e.sd) and e.sd > 0:
@@ -366,37 +357,30 @@ def measure(ctx: Context, test: Test) -> Outcome:
 
 
 def decide(test: Test, e: Estimate, p: dict[str, float], discordant: tuple[int, int]) -> str:
-    """The four-way verdict of one test from its (adjusted) p-values.
+    """The four-way verdict of one test from its (adjusted) p-values: `training.stats.comparison_verdict` (the
+    rule the sweeps' report applies, with a loss-like "lower is better" reading of the statistic a − b), named
+    for the claim:
 
-    - `equivalent` claims (nothing changes): PASS when the 95% interval lies inside ±margin (TOST), FAIL when
-      the effect is shown to exceed the margin, else INCONCLUSIVE;
-    - `nonzero` claims (an effect of either sign): EQUIVALENT inside ±margin, PASS when the interval excludes 0;
     - directional claims (`greater` / `less`): EQUIVALENT when the interval lies inside ±margin (a measured null:
       no effect of the size that matters), else PASS / FAIL when the interval excludes 0 on the claimed / the
-      other side, else INCONCLUSIVE.
+      other side, else INCONCLUSIVE;
+    - `nonzero` claims (an effect of either sign): EQUIVALENT inside ±margin, PASS when the interval excludes 0;
+    - `equivalent` claims (nothing changes; the "difference" p tests |effect| > margin): PASS when the 95%
+      interval lies inside ±margin (TOST), FAIL when the effect is shown to exceed the margin, else
+      INCONCLUSIVE.
     Seeds that diverged in one arm only are outcomes: when McNemar's exact test on them rejects, the arm that
     diverged more is the worse (larger loss) one, and that decides unless the loss difference says the
-    opposite (then INCONCLUSIVE), and an equivalence claim FAILs; when it does not reject, INCONCLUSIVE."""
+    opposite (then INCONCLUSIVE); an equivalence claim then FAILs; when it does not reject, INCONCLUSIVE."""
     if test.kind == "exact":
         return PASS if abs(e.mean - test.threshold) <= test.tolerance else FAIL
-    sig = lambda key: not math.isnan(p.get(key, math.nan)) and p[key] < ALPHA  # noqa: E731
-    if test.kind == "equivalent":
-        metric = PASS if sig("equivalence") else FAIL if sig("difference") else INCONCLUSIVE
-    elif test.kind == "nonzero":
-        metric = EQUIVALENT if sig("equivalence") else PASS if sig("difference") else INCONCLUSIVE
-    else:
-        sign = 1 if test.kind == "greater" else -1
-        metric = (EQUIVALENT if sig("equivalence") else
-                  (PASS if sign * e.mean > 0 else FAIL) if sig("difference") and e.mean != 0 else INCONCLUSIVE)
-    if not sum(discordant):
-        return metric
-    if not sig("outcome"):
-        return INCONCLUSIVE
-    if test.kind == "equivalent":
+    p_outcome = p.get("outcome", math.nan)
+    if test.kind == "equivalent" and sum(discordant) and p_outcome < ALPHA:
         return FAIL  # one arm diverges more often: not the same, whatever the seeds that trained say
-    a_worse = discordant[0] > discordant[1]
-    by_outcome = PASS if a_worse == (test.kind == "greater") else FAIL
-    return by_outcome if metric in (by_outcome, INCONCLUSIVE, EQUIVALENT) else INCONCLUSIVE
+    verdict = comparison_verdict(e, p.get("difference", math.nan), p.get("equivalence", math.nan), "lower", ALPHA,
+                                 discordant, p_outcome)
+    named = {"greater": {WORSE: PASS, BETTER: FAIL}, "less": {BETTER: PASS, WORSE: FAIL},
+             "nonzero": {BETTER: PASS, WORSE: PASS}, "equivalent": {EQUIVALENT: PASS, BETTER: FAIL, WORSE: FAIL}}
+    return named[test.kind].get(verdict, verdict)
 
 
 def judge_all(claims: Sequence[Claim], contexts: Sequence[Context]) -> list[tuple[str, list[Outcome]]]:

@@ -136,7 +136,8 @@ def final_losses(ctx: Context, role: str) -> list[float]:
     return [final_loss(r) for r in ctx.runs(role)]
 
 
-def _capped(r: dict) -> float:
+def capped_final_loss(r: dict) -> float:
+    """The held-out loss, a diverged run counting as the loss at init (no better than not training)."""
     return capped_loss(final_loss(r), initial_loss(r))
 
 
@@ -149,12 +150,12 @@ def best_lr_index(ctx: Context, family: str) -> int:
     """The LR index with the lowest mean capped held-out loss over seeds (chosen from these runs: a selection,
     so the best-vs-best comparison is optimistic for both arms alike)."""
     sweep = _sweep(ctx, family)
-    return min(range(len(sweep)), key=lambda i: statistics.fmean(_capped(r) for r in sweep[i]))
+    return min(range(len(sweep)), key=lambda i: statistics.fmean(capped_final_loss(r) for r in sweep[i]))
 
 
 def best_lr_loss(ctx: Context, role: str) -> list[float]:
     """Per seed, the capped held-out loss at the family's best LR (a diverged run: the loss at init)."""
-    return [_capped(r) for r in _sweep(ctx, role)[best_lr_index(ctx, role)]]
+    return [capped_final_loss(r) for r in _sweep(ctx, role)[best_lr_index(ctx, role)]]
 
 
 def lr_sensitivities(ctx: Context, role: str) -> list[float]:

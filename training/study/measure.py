@@ -79,8 +79,12 @@ def norm_inputs(model: Transformer, tokens: torch.Tensor) -> dict[str, dict[str,
       whatever the width; large when the tokens share a mean offset;
     - `ln_vs_rms`: token mean of ‖LN(x) − RMSNorm(x)‖ / ‖RMSNorm(x)‖, both without gains, eps 1e-5 —
     how far from zero-mean the real activations are, and what centring changes on them."""
+    return _input_stats(_stream_norm_inputs(model, tokens))
+
+
+def _input_stats(seen: dict[str, torch.Tensor]) -> dict[str, dict[str, float]]:
     out = {}
-    for name, x in _stream_norm_inputs(model, tokens).items():
+    for name, x in seen.items():
         d = x.shape[-1]
         mean, ms = x.mean(-1), x.pow(2).mean(-1)
         rms_n = x / (ms[..., None] + 1e-5).sqrt()
@@ -94,10 +98,13 @@ def norm_inputs(model: Transformer, tokens: torch.Tensor) -> dict[str, dict[str,
 def dim_spread(model: Transformer, tokens: torch.Tensor) -> float:
     """log(largest / median per-dimension RMS) of the final norm's input over the tokens of `tokens` (claim 19:
     "some dimensions grow large, others stay small"); NaN for a model without a final norm."""
-    if model.norm is None:
+    return _spread(_stream_norm_inputs(model, tokens))
+
+
+def _spread(seen: dict[str, torch.Tensor]) -> float:
+    if "norm" not in seen:  # no final norm
         return math.nan
-    final_in = _stream_norm_inputs(model, tokens)["norm"]
-    x = final_in.reshape(-1, final_in.shape[-1])
+    x = seen["norm"].reshape(-1, seen["norm"].shape[-1])
     per_dim = x.pow(2).mean(0).sqrt()
     return math.log(per_dim.max().item() / per_dim.median().clamp_min(1e-300).item())
 
@@ -171,8 +178,8 @@ def train_run(spec: Train, seed: int, scale: Scale, batches: Iterator[torch.Tens
         tokens = next(batches)
         if step == spec.steps:  # a measurement only: the trained model's probes
             loss, out["probes"][step] = _probe(model, tokens)
-            out["norm_inputs"] = norm_inputs(model, tokens)
-            out["dim_spread"] = dim_spread(model, tokens)
+            seen = _stream_norm_inputs(model, tokens)  # one forward pass for both
+            out["norm_inputs"], out["dim_spread"] = _input_stats(seen), _spread(seen)
             break
         if step in (0, spec.steps // 2):
             loss, out["probes"][step] = _probe(model, tokens)

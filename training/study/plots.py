@@ -7,9 +7,8 @@ from pathlib import Path
 
 import numpy as np
 
-from training.stats import capped_loss
-from training.study.judge import Context, probes, stream_profile
-from training.study.measure import final_loss, initial_loss
+from training.study.judge import Context, capped_final_loss, probes, stream_profile
+from training.study.measure import final_loss
 
 SMOOTH = 10  # steps of the moving average over training losses
 
@@ -59,7 +58,7 @@ def _lr_curve(ax, ctx: Context, family: str, label: str, stat=None, **kw) -> Non
     family's learning rates, as a mean ± sd band."""
     roles = ctx.family(family)
     lrs = [ctx.roles[r].lr for r in roles]
-    stat = stat or (lambda r, spec: capped_loss(final_loss(r), initial_loss(r)))
+    stat = stat or (lambda r, spec: capped_final_loss(r))
     per_lr = [[stat(r, ctx.roles[role]) for r in ctx.runs(role)] for role in roles]
     band(ax, lrs, list(zip(*per_lr, strict=True)), label, marker="o", **kw)
     ax.set(xlabel="peak learning rate", xscale="log")

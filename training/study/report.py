@@ -93,8 +93,7 @@ def _reading_12(ctx: Context, o: dict[str, Outcome]) -> str:
     head = {r: statistics.fmean(x["head_rms"] for x in ctx.runs(r)) for r in ("deep-final", "deep-no-final")}
     return (f"Measured (24 layers): the final stream's RMS is {math.exp(rms['deep-no-final']):.2f} without the "
             f"final norm and {math.exp(rms['deep-final']):.2f} with it; the LM head's weight RMS is "
-            f"{head['deep-no-final']:.3f} and {head['deep-final']:.3f}. Hypothesis: the head absorbs the stream's "
-            "scale when it grows little.")
+            f"{head['deep-no-final']:.3f} and {head['deep-final']:.3f}.")
 
 
 def _reading_14(ctx: Context, o: dict[str, Outcome]) -> str:
@@ -228,10 +227,8 @@ def claim_section(claim: Claim, verdict: str, outcomes: list[Outcome], ctx: Cont
         lines += [""] + trend
     reading = READINGS.get(claim.number)
     text = reading(ctx, _by_id(outcomes)) if reading else ""
-    if not text and verdict != "PASS" and claim.if_not_pass:
-        text = claim.if_not_pass
-    elif text and verdict != "PASS" and claim.if_not_pass and claim.number not in (12,):
-        text += " " + claim.if_not_pass
+    if verdict != "PASS" and claim.if_not_pass:  # the hypothesis the claim stated before the run
+        text = f"{text} {claim.if_not_pass}".strip()
     if text:
         lines += ["", f"Reading: {text}"]
     if ctx.roles:

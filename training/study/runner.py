@@ -37,7 +37,7 @@ def plan(claims: tuple[Claim, ...], scale: Scale) -> list[tuple[Spec, int]]:
     for roles in roles_of(claims, scale).values():
         specs.update(dict.fromkeys(roles.values()))
     jobs = [(s, seed) for s in specs for seed in range(seeds_of(s, scale))]
-    return sorted(jobs, key=lambda j: -_cost(j[0]))
+    return sorted(jobs, key=lambda j: -_cost(j[0], scale))
 
 
 def seeds_of(spec: Spec, scale: Scale) -> int:
@@ -46,8 +46,8 @@ def seeds_of(spec: Spec, scale: Scale) -> int:
     return scale.seeds
 
 
-def _cost(spec: Spec) -> float:
-    width = (spec.arch.dim or 64) ** 2
+def _cost(spec: Spec, scale: Scale) -> float:
+    width = (spec.arch.dim or scale.dim) ** 2
     return spec.arch.layers * width * (1 if isinstance(spec, AtInit) else spec.steps)
 
 
@@ -75,7 +75,7 @@ def _init_worker(data_dir: str, scale: Scale, threads: int) -> None:
     torch.set_num_threads(threads)
     logging.basicConfig(level=logging.WARNING)
     data = load_data(Path(data_dir), scale)
-    _WORKER.update(data=data, scale=scale, val=held_out(data))
+    _WORKER.update(data=data, scale=scale, val=held_out(data), first=first_batch(data))
 
 
 def first_batch(data: TokenDataModule) -> torch.Tensor:
@@ -85,7 +85,7 @@ def first_batch(data: TokenDataModule) -> torch.Tensor:
 def _job(spec: Spec, seed: int) -> tuple[Spec, int, dict]:
     data, scale = _WORKER["data"], _WORKER["scale"]
     if isinstance(spec, AtInit):
-        return spec, seed, at_init(spec, seed, scale, first_batch(data), data.vocab_size)
+        return spec, seed, at_init(spec, seed, scale, _WORKER["first"], data.vocab_size)
     return spec, seed, train_run(spec, seed, scale, training_batches(data, seed), _WORKER["val"], data.vocab_size)
 
 

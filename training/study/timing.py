@@ -18,6 +18,7 @@ import os
 import sys
 import time
 from collections.abc import Callable, Iterator
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -64,6 +65,14 @@ def _time(fn: Callable, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, repea
     return (time.perf_counter() - t) / repeats
 
 
+def _alternating_ratio(r: int, a: Callable[[], float], b: Callable[[], float]) -> float:
+    """Round `r` of an interleaved timing: time a and b (seconds), in an order that alternates from round to
+    round so that load drift hits both alike; their ratio."""
+    order = (a, b) if r % 2 else (b, a)
+    times = {fn: fn() for fn in order}
+    return times[a] / times[b]
+
+
 def op_ratios(shape: tuple[int, ...], rounds: int, repeats: int = 5) -> dict[str, list[float]]:
     """Per pair, one forward+backward time ratio RMSNorm / LayerNorm per round (fp32, input of `shape`)."""
     torch.manual_seed(0)
@@ -73,10 +82,9 @@ def op_ratios(shape: tuple[int, ...], rounds: int, repeats: int = 5) -> dict[str
     ratios: dict[str, list[float]] = {name: [] for name in pairs}
     for r in range(rounds + 1):  # round 0 warms up
         for name, (rms, ln) in pairs.items():
-            order = (rms, ln) if r % 2 else (ln, rms)
-            times = {fn: _time(fn, x, w, b, repeats) for fn in order}
+            ratio = _alternating_ratio(r, partial(_time, rms, x, w, b, repeats), partial(_time, ln, x, w, b, repeats))
             if r:
-                ratios[name].append(times[rms] / times[ln])
+                ratios[name].append(ratio)
     return ratios
 
 
@@ -161,10 +169,5 @@ def step_time_ratios(arch_a: Arch, arch_b: Arch, scale: Scale, vocab_size: int, 
             opt.zero_grad(set_to_none=True)
         return time.perf_counter() - t
 
-    ratios = []
-    for r in range(rounds + 1):  # round 0 warms up
-        order = (0, 1) if r % 2 else (1, 0)
-        times = {i: run(*models[i]) for i in order}
-        if r:
-            ratios.append(times[0] / times[1])
-    return ratios
+    ratios = [_alternating_ratio(r, partial(run, *models[0]), partial(run, *models[1])) for r in range(rounds + 1)]
+    return ratios[1:]  # round 0 warms up

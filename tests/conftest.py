@@ -36,33 +36,17 @@ def zero_workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
-# The 8-step reference runs of every checkpoint kind (tests/helpers/zero_runs.py), each trained on first use.
-@pytest.fixture(scope="session")
-def single_run(zero_workdir: Path) -> Path:
-    from tests.helpers.zero_runs import train
+def _reference_run(kind: str):
+    """A session fixture: the 8-step reference run `kind` (tests/helpers/zero_runs.py), trained on first use."""
+    @pytest.fixture(scope="session")
+    def run(zero_workdir: Path) -> Path:
+        from tests.helpers.zero_runs import train
 
-    return train(zero_workdir, "single")
-
-
-@pytest.fixture(scope="session")
-def zero1_run(zero_workdir: Path) -> Path:
-    from tests.helpers.zero_runs import train
-
-    return train(zero_workdir, "zero1")
+        return train(zero_workdir, kind)
+    return run
 
 
-@pytest.fixture(scope="session")
-def zero2_run(zero_workdir: Path) -> Path:
-    from tests.helpers.zero_runs import train
-
-    return train(zero_workdir, "zero2")
-
-
-@pytest.fixture(scope="session")
-def zero3_run(zero_workdir: Path) -> Path:
-    from tests.helpers.zero_runs import train
-
-    return train(zero_workdir, "zero3")
+single_run, zero1_run, zero2_run, zero3_run = (_reference_run(kind) for kind in ("single", "zero1", "zero2", "zero3"))
 
 
 @pytest.fixture(scope="session")

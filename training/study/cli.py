@@ -52,6 +52,7 @@ def run_study(output: Path, quick: bool = False, claims: list[int] | None = None
         raise UserError(f"--jobs={jobs} must be at least 1 (the number of worker processes)")
     if seeds is not None and seeds < 2:
         raise UserError(f"--seeds={seeds} must be at least 2 (a paired interval needs two seeds)")
+    print(f"normlab study: writing {output}/report.md", flush=True)
     scale = SCALES["quick" if quick else "default"]
     if seeds is not None:
         scale = replace(scale, seeds=seeds)
@@ -106,6 +107,7 @@ def load_measurements(path: Path) -> dict:
 def rejudge(output: Path) -> list[tuple[Claim, str]]:
     """Judge a finished run's measurements again with the committed claims and rewrite its report."""
     doc = load_measurements(output / MEASUREMENTS)
+    print(f"normlab study: writing {output}/report.md", flush=True)
     return write_all(output, doc["scale"], select(doc["header"]["claims"]), doc["results"], doc["extra"],
                      doc["header"])
 
@@ -138,7 +140,6 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     claims = parse_claims(args.claims)
     output = args.output or Path("runs") / ("study-quick" if args.quick else "study")
-    print(f"normlab study: writing {output}/report.md", flush=True)
     if args.rejudge:
         verdicts = rejudge(output)
     else:

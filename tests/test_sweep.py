@@ -238,6 +238,28 @@ def test_the_sbatch_script_carries_the_specs_resources(monkeypatch, tmp_path):
     assert "--array=0-17%3" in script(spec, tmp_path / "tasks.json", 18, 3)  # --max_parallel overrides
 
 
+def test_the_sbatch_script_quotes_every_value_and_refuses_what_it_cannot_quote(monkeypatch, tmp_path):
+    """A path with a space stays one option (sbatch reads double-quoted values: the 2-node Slurm test submits such a
+    script for real); a value with a line break or a double quote would become another line or break the quoting:
+    one error line naming it."""
+    from training.errors import UserError
+    from training.sweep.slurm import script
+
+    work = tmp_path / "with space"
+    work.mkdir()
+    shutil.copy(HELPERS / "tiny.yaml", work / "tiny.yaml")
+    monkeypatch.chdir(work)
+    one = {"grid": {"optim.lr": [0.001]}, "seeds": [0], "baseline": None}
+    spec = write_spec(work, "q", **one, slurm={"partition": "gpu", "time": "01:00:00"})
+    options = [line for line in script(load_spec(spec), work / "tasks.json", 1, None).splitlines()
+               if line.startswith("#SBATCH ")]
+    assert f'#SBATCH --output="{work}/runs/q/slurm/%A_%a.out"' in options and f'#SBATCH --chdir="{work}"' in options
+    assert "#SBATCH --partition=gpu" in options and "#SBATCH --time=01:00:00" in options
+    for key, bad in (("partition", "gpu\n#SBATCH --qos=free"), ("account", 'a"b'), ("extra", ["--qos=x\nrm -rf ~"])):
+        with pytest.raises(UserError, match=f"{key}.*(line break|double quote)"):
+            script(load_spec(write_spec(work, "q", **one, slurm={key: bad})), work / "tasks.json", 1, None)
+
+
 def test_a_bad_slurm_key_is_one_line(work):
     spec = write_spec(work, "badslurm", slurm={"gpus": 8})
     proc = sweep(spec, "--executor", "slurm")
@@ -260,3 +282,34 @@ def test_parallel_runs_get_disjoint_devices_or_cores(monkeypatch):
     shares = slots(len(cores))
     assert [s["cpus"] for s in shares] == [[c] for c in cores]
     assert all(s["env"]["OMP_NUM_THREADS"] == "1" for s in shares)
+
+
+def test_an_array_task_refuses_a_run_whose_config_changed_since_submission(work, monkeypatch):
+    """A Slurm task reads the spec when it starts: one whose spec or `-c` file was edited after `sbatch` would
+    train (or resume) the run with a config it was not submitted with. It is refused in one line naming the run and
+    what changed, before anything is written to the run."""
+    from training.errors import UserError
+    from training.sweep.slurm import task_main, tasks_document
+    from training.sweep.state import write_json
+
+    monkeypatch.chdir(work)
+    spec_path = write_spec(work, "edited", grid={"optim.lr": [0.001]}, seeds=[0], baseline=None)
+    tasks = work / "runs" / "edited" / "slurm" / "tasks.json"
+    write_json(tasks, tasks_document(load_spec(spec_path), load_spec(spec_path).runs()))
+    run_dir = work / "runs" / "edited" / "lr=0.001" / "s0"
+    spec = yaml.safe_load(spec_path.read_text())
+    spec["base"]["overrides"]["optim.warmup_steps"] = 5  # the spec edited after submission
+    spec_path.write_text(yaml.safe_dump(spec))
+    with pytest.raises(UserError, match=r"run lr=0.001/s0: its command changed since the array was submitted"):
+        task_main([str(tasks), "0"])
+    spec["base"]["overrides"].pop("optim.warmup_steps")
+    spec_path.write_text(yaml.safe_dump(spec))
+    config = work / "tiny.yaml"
+    original = config.read_text()
+    config.write_text(original + "\n# edited after submission\n")
+    try:
+        with pytest.raises(UserError, match=r"tiny.yaml \(edited\) changed since the array was submitted"):
+            task_main([str(tasks), "0"])
+    finally:
+        config.write_text(original)
+    assert not run_dir.exists()

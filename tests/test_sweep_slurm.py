@@ -1,6 +1,7 @@
-"""`normlab sweep --executor slurm` on a real single-node Slurm cluster (tests/helpers/slurm.py), no mock: a 2-run
-sweep runs as one job array, and a task warned of its time limit (USR1, as `--signal=B:USR1@T` sends it) saves,
-requeues itself and resumes to the same final weights as the task that ran straight through."""
+"""`normlab sweep --executor slurm` with one process per run on a real Slurm cluster (tests/helpers/slurm.py), no
+mock: a 2-run sweep runs as one job array, and a task warned of its time limit (USR1, as `--signal=B:USR1@T` sends
+it) passes the warning to its fit, which saves, requeues the job and resumes to the same final weights as the task
+that ran straight through. (2-process runs through srun: tests/test_slurm_cluster.py.)"""
 from __future__ import annotations
 
 import json
@@ -73,7 +74,7 @@ def test_a_job_array_sweep_survives_a_time_limit_warning_by_requeue(slurm_cluste
     log = (sweep_dir / "slurm" / f"{job}_0.out").read_text()
     record = read_json(warned / "sweep-run.json")
     assert record["attempts"] == 2 and record["status"] == "finished", (record, log)
-    assert "requeueing job" in log and "(restart 1)" in log, log
+    assert "(restart 1)" in log and "requeueing job" in (warned / "fit.log").read_text(), log
     assert read_json(straight / "sweep-run.json")["attempts"] == 1
     state = json.loads((sweep_dir / "sweep.json").read_text())
     assert [(r["status"], r["step"]) for r in state["runs"]] == [("finished", STEPS)] * 2

@@ -142,7 +142,7 @@ def test_zero2_exact_resume(workdir, zero2, tmp_path):
 
 def test_sigterm_to_one_rank_stops_every_rank_after_the_same_step(workdir, zero2, tmp_path):
     """SIGTERM to rank 1 alone, during update 5 (a signal reaching the ranks at different moments): the ranks agree
-    one boundary later (the flags travel asynchronously, training/callbacks/stop_signals.py), save step 6 and exit
+    one boundary later (the flags travel asynchronously, training/signals.py), save step 6 and exit
     cleanly; resuming it reproduces the straight run bit for bit."""
     marker, log = tmp_path / "waiting", tmp_path / "out.txt"
     (tmp_path / "wait.yaml").write_text(

@@ -22,6 +22,7 @@ import os
 import sys
 from typing import Any
 
+from training import signals
 from training.console import quiet_third_party
 from training.errors import UserError, is_user_error, report
 from training.subcommands import LIGHTNING_SUBCOMMANDS
@@ -105,11 +106,26 @@ def main(argv: list[str] | None = None) -> int:
 def run_command(command: str, argv: list[str]) -> int:
     """`normlab <command> ...` (argv[0] is the command); user errors propagate to `main`."""
     if command in LIGHTNING_SUBCOMMANDS:
-        from training.strategy import adopt_deepspeed_launcher_env
+        # A fit's stop handlers go in first, before the seconds of imports below: a signal then must not kill it.
+        stop = signals.install() if command == "fit" else None
+        try:
+            from training.strategy import adopt_deepspeed_launcher_env
 
-        adopt_deepspeed_launcher_env(os.environ)
-        # LightningCLI reads sys.argv itself when args is None (and warns when given both).
-        run_lightning(None if argv == sys.argv[1:] else argv)
+            adopt_deepspeed_launcher_env(os.environ)
+            # LightningCLI reads sys.argv itself when args is None (and warns when given both).
+            run_lightning(None if argv == sys.argv[1:] else argv)
+        except Exception as err:
+            from training.cluster import collective_failure
+
+            line = None if is_user_error(err) else collective_failure(err, stop.timeout.total_seconds() if stop
+                                                                     else None)
+            if line is None:
+                raise
+            sys.stderr.write(f"normlab {command}: error: {line}\n")
+            return 1
+        finally:
+            if stop is not None:
+                signals.uninstall()
         return 0
     if command in COMMANDS:
         check_flag_style(argv[1:])

@@ -13,6 +13,9 @@ What this module provides:
   overrides, which production GPUs never run.
 - `restore_full_weights`, `load_universal_checkpoint`, `repair_zero3_universal_load`: what the strategy's
   checkpoint loading needs from DeepSpeed's and Lightning's internals.
+- `set_collective_timeout`: `cluster.timeout_s` for every process group, DeepSpeed's included.
+- `own_signals`: the trainer's signal connector replaced by one that installs no handler, so that normlab's stop
+  handlers (training/signals.py) own SIGTERM, SIGINT and Slurm's warning signal.
 - `hold_checkpoint_writes`: routes each file write of a checkpoint save through a wrapper (StepCheckpoint).
 - Two private touches made elsewhere, listed here so an upgrade reads them too: the progress bar's description
   (`callbacks/progress.py`) and the epoch loop's `max_steps` (`callbacks/step_checkpoint.py`).
@@ -27,6 +30,7 @@ import inspect
 from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass
+from datetime import timedelta
 from importlib import metadata
 from typing import Any
 from unittest import mock
@@ -35,6 +39,7 @@ import torch
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.accelerators import CUDAAccelerator
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
+from lightning.pytorch.trainer.connectors.signal_connector import _SignalConnector
 
 from training.errors import UserError
 
@@ -95,6 +100,19 @@ PATCHES: dict[str, Patch] = {p.target: p for p in [
     Patch("lightning.pytorch.loops.training_epoch_loop:_TrainingEpochLoop.max_steps",
           "StepCheckpoint lowers it to the current step after an agreed stop signal: the fit ends after this step, "
           "as at max_steps (trainer.should_stop would run one more validation first)", "lightning", LIGHTNING),
+    Patch("lightning.pytorch.trainer.trainer:Trainer._signal_connector",
+          "replaced by one that installs no handler (own_signals): Lightning's SIGTERM handler broadcasts from inside "
+          "the handler and its SLURM USR1 handler saves and requeues from inside it, a collective at an arbitrary "
+          "line of each rank (a deadlock); normlab's handlers only record (training/signals.py)",
+          "lightning", LIGHTNING),
+    Patch("lightning.pytorch.trainer.connectors.signal_connector:_SignalConnector.register_signal_handlers",
+          "overridden to install nothing (NoLightningSignals; see Trainer._signal_connector)", "lightning", LIGHTNING),
+    Patch("torch.distributed.distributed_c10d:_set_pg_timeout",
+          "cluster.timeout_s for every process group: new_group() without a timeout gets gloo's 30-minute default, not "
+          "the default group's, and DeepSpeed makes its groups that way (torchtitan sets its timeouts the same way)",
+          "torch", ">=2.6"),
+    Patch("torch.distributed.distributed_c10d:_world",
+          "_world.pg_map lists every process group of this process, to give each the timeout", "torch", ">=2.6"),
     Patch("torch:load",
           "DeepSpeed reads checkpoints with torch.load, passing weights_only=False, at ~20 call sites, several "
           "bypassing its checkpoint engine (zero_to_fp32, the universal loader, ds_to_universal): around those reads "
@@ -252,3 +270,33 @@ def hold_checkpoint_writes(strategy: Any, deepspeed: bool,
         io = strategy.checkpoint_io
         stack.enter_context(mock.patch.object(io, "save_checkpoint", hold(io.save_checkpoint)))
     return stack
+
+
+class NoLightningSignals(_SignalConnector):
+    """Lightning's signal connector minus its handlers: normlab's own (training/signals.py) stay in place, so
+    Lightning's `received_sigterm` stays False and none of its signal paths (a broadcast inside the SIGTERM handler,
+    the SLURM auto-requeue save inside the USR1 handler) can run."""
+
+    def register_signal_handlers(self) -> None:
+        self.received_sigterm = False
+        self._original_handlers = {}  # so Lightning's teardown restores nothing either
+
+
+def own_signals(trainer: Any) -> None:
+    """Make normlab, not Lightning, own this trainer's signal handling (before `fit` installs Lightning's)."""
+    require("lightning.pytorch.trainer.trainer:Trainer._signal_connector")
+    require("lightning.pytorch.trainer.connectors.signal_connector:_SignalConnector.register_signal_handlers")
+    if not isinstance(trainer._signal_connector, NoLightningSignals):
+        trainer._signal_connector = NoLightningSignals(trainer)
+
+
+def set_collective_timeout(timeout: timedelta) -> None:
+    """Give every process group of this process (the default one, DeepSpeed's, normlab's) `timeout`."""
+    import torch.distributed as dist
+
+    require("torch.distributed.distributed_c10d:_set_pg_timeout")
+    require("torch.distributed.distributed_c10d:_world")
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    for group in list(dist.distributed_c10d._world.pg_map):
+        dist.distributed_c10d._set_pg_timeout(timeout, group)

@@ -10,6 +10,8 @@ Config groups (all settable in YAML via `-c` and as dotted flags):
                 `--guard.dump_spike_z`, `--guard.max_dumps`)
   throughput.*  Throughput (`--throughput.peak_tflops`)
   eval.*        DownstreamEval: harness tasks in the loop (`--eval.tasks arc_easy --eval.every_n_steps 1000`)
+  cluster.*     ClusterConfig: the collective timeout, Slurm's warning signal and requeueing (`--cluster.timeout_s
+                600 --cluster.signal USR1`; training/cluster.py)
   name, runs_dir, ckpt_path, branch_from, init_from, seed_everything, loggers (beside TensorBoard:
   training/loggers.py)
 
@@ -21,6 +23,7 @@ Defaults: configs/default.yaml (the default job), then `-c` files in order, then
 """
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any, Literal, Optional
 
@@ -32,12 +35,14 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveCon
 
 from data.datamodule import TokenDataModule
 from data.prepare import DEFAULT_OUTPUT
-from training import compat
+from training import cluster, compat, signals
 from training.callbacks import NonFiniteGuard, RNGState, StepCheckpoint, Throughput, TrainingHealth
 from training.callbacks.downstream import DownstreamEval
 from training.callbacks.progress import step_counting
 from training.callbacks.summary import log_closing_lines, with_norm_summary
+from training.callbacks.timeout import CollectiveTimeout
 from training.checkpointing import branch, init_from, layout, resume
+from training.checkpointing.layout import complete_checkpoints, step_of
 from training.checkpointing.manifest import Manifest
 from training.checkpointing.plan import RunPlan, plan
 from training.checkpointing.safe import SafeCheckpointIO, no_code_from_checkpoints
@@ -47,6 +52,8 @@ from training.loggers import LOGGERS, RecordLoggerRuns, run_loggers
 from training.optim import OptimConfig
 from training.strategy import default_precision, is_deepspeed, resolve_strategy  # registers zeroN
 from training.subcommands import LIGHTNING_SUBCOMMANDS
+
+log = logging.getLogger(__name__)
 
 # The default job: the defaults of `normlab fit | validate | test` are read from this file (the trainer settings,
 # seed, data and model sizes), so the file is exactly what `normlab fit` with no arguments runs.
@@ -118,6 +125,7 @@ class NormlabCLI(LightningCLI):
         parser.add_lightning_class_args(TrainingHealth, "metrics")
         parser.add_lightning_class_args(NonFiniteGuard, "guard")
         parser.add_lightning_class_args(DownstreamEval, "eval")  # harness tasks in the loop
+        parser.add_class_arguments(cluster.ClusterConfig, "cluster")
 
     def before_instantiate_classes(self) -> None:
         # Which checkpoint to load, whether this fit starts a branch, what to record: decided once, here
@@ -148,6 +156,11 @@ class NormlabCLI(LightningCLI):
 
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
         config = self.config_init[self.subcommand].trainer
+        cluster_config = self.config_init[self.subcommand].cluster
+        kwargs["strategy"] = cluster.with_timeout(config.get("strategy"), cluster_config.timeout)
+        stop = signals.active()
+        if stop is not None:
+            stop.configure(cluster_config.signal, cluster_config.timeout)
         extra = self.config_init[self.subcommand].loggers
         if extra and config.get("logger") not in (None, True):
             raise UserError(f"--loggers {' '.join(extra)} adds to the default TensorBoard logger, but "
@@ -162,6 +175,7 @@ class NormlabCLI(LightningCLI):
         trainer.callbacks[:] = with_norm_summary(trainer.callbacks, config.get("callbacks") or [])
         # First of all callbacks: every other callback's on_train_batch_start must see the restored RNG stream.
         trainer.callbacks.insert(0, RNGState())
+        trainer.callbacks.append(CollectiveTimeout(cluster_config.timeout))
         if self.plan.parent is not None:
             trainer.callbacks.insert(1, branch.BranchSchedule(self.plan.parent.step))
         return trainer
@@ -211,6 +225,24 @@ class NormlabCLI(LightningCLI):
 
     def after_fit(self) -> None:
         log_closing_lines(self.trainer, Path(self.trainer.default_root_dir) / layout.CONFIG_FILE)
+        self._requeue_if_warned()
+
+    def _requeue_if_warned(self) -> None:
+        """After the warning signal stopped the fit short of max_steps and saved its step: rank 0 asks Slurm to
+        requeue the job (cluster.requeue), which resumes from that checkpoint (`--ckpt_path last`)."""
+        stop, trainer = signals.active(), self.trainer
+        settings = self.config_init[self.subcommand].cluster
+        if stop is None or stop.stopped is None or not stop.stopped.warned or not settings.requeue:
+            return
+        if not trainer.is_global_zero or 0 < trainer.max_steps <= trainer.global_step:
+            return
+        newest = complete_checkpoints(trainer.default_root_dir)
+        if not newest or step_of(newest[-1]) != trainer.global_step:
+            log.warning("warned at step %d, which has no complete checkpoint (checkpoint.every_n_steps=0?): not "
+                        "requeued", trainer.global_step)
+            return
+        cluster.requeue(Path(trainer.default_root_dir), trainer.global_step, f"warned by SIG{settings.signal}",
+                        settings.max_requeues)
 
 
 class RunConfig(SaveConfigCallback):

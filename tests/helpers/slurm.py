@@ -1,13 +1,21 @@
-"""A real single-node Slurm cluster for the tests: munged, slurmctld and slurmd on this host, as root.
+"""A real two-node Slurm cluster on this host for the tests: munged, slurmctld and two slurmd daemons (nodes `n1`
+and `n2`, one CPU each, each on its own port with its own spool, pid and log files), as root.
 
-Everything belongs to one fixture instance, so that several can run on one machine at once: a fresh directory
-holding the munge key, socket and seed, the slurm.conf (clients find it through SLURM_CONF), state, spool,
+`srun -N2 -n2` runs one task on each node (SLURM_NODEID 0 and 1): that is how the tests run a 2-node job on one
+machine. The node names do not resolve, so a job that connects its ranks exports `MASTER_ADDR=127.0.0.1`
+(Lightning's SLURMEnvironment reads it before the node list).
+
+Everything belongs to one cluster instance, so that several can run on one machine at once: a fresh directory
+holding the munge key, socket and seed, the slurm.conf (clients find it through SLURM_CONF), state, spools,
 pid and log files; free TCP ports; a unique cluster name. The daemons run in the foreground as our children and
-are stopped by their own pids, never by name. `AuthInfo=cred_expire` is Slurm's knob for how long a requeued job
-is held before it may start again (default 120 s): 10 s here.
+are stopped by their own pids, never by name. Timing knobs, for tests that wait on Slurm: `AuthInfo=cred_expire`
+is how long a requeued job is held before it may start again (default 120 s; 10 s here), `sched_interval` and
+`bf_interval` how often the schedulers look at pending jobs (60 s and 30 s; 2 s here), `KillWait` the grace
+between SIGTERM and SIGKILL when a job ends (30 s; 10 s here).
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import socket
@@ -23,6 +31,7 @@ import pytest
 
 PACKAGES = ("slurm-wlm", "munge")
 REQUEUE_HOLD_S = 10
+NODES = ("n1", "n2")
 
 
 @dataclass
@@ -68,14 +77,15 @@ def _conf(root: Path, host: str) -> str:
         f"AuthInfo=socket={root / 'munge' / 'munge.socket'},cred_expire={REQUEUE_HOLD_S}",
         "ProctrackType=proctrack/linuxproc", "TaskPlugin=task/none", "MpiDefault=none",
         "SelectType=select/cons_tres", "SelectTypeParameters=CR_Core", "ReturnToService=2",
-        f"SlurmctldPort={free_port()}", f"SlurmdPort={free_port()}",
+        f"SlurmctldPort={free_port()}",
         "JobAcctGatherType=jobacct_gather/none", "AccountingStorageType=accounting_storage/none",
-        f"StateSaveLocation={root / 'state'}", f"SlurmdSpoolDir={root / 'spool'}",
-        f"SlurmctldPidFile={root / 'slurmctld.pid'}", f"SlurmdPidFile={root / 'slurmd.pid'}",
-        f"SlurmctldLogFile={root / 'slurmctld.log'}", f"SlurmdLogFile={root / 'slurmd.log'}",
-        "SchedulerParameters=defer_batch=0", "MinJobAge=600",
-        f"NodeName={host} CPUs={os.cpu_count()} RealMemory=1000 State=UNKNOWN",
-        f"PartitionName=test Nodes={host} Default=YES MaxTime=INFINITE State=UP",
+        f"StateSaveLocation={root / 'state'}", f"SlurmdSpoolDir={root / 'spool_%n'}",
+        f"SlurmctldPidFile={root / 'slurmctld.pid'}", f"SlurmdPidFile={root / 'slurmd.%n.pid'}",
+        f"SlurmctldLogFile={root / 'slurmctld.log'}", f"SlurmdLogFile={root / 'slurmd.%n.log'}",
+        "SchedulerParameters=defer_batch=0,sched_interval=2,bf_interval=2", "MinJobAge=600", "KillWait=10",
+        *(f"NodeName={node} NodeHostname={host} Port={free_port()} CPUs=1 RealMemory=1000 State=UNKNOWN"
+          for node in NODES),
+        f"PartitionName=test Nodes={','.join(NODES)} Default=YES MaxTime=INFINITE State=UP",
     ]) + "\n"
 
 
@@ -104,14 +114,12 @@ def _wait(check: callable, what: str, root: Path, timeout: float = 60) -> None:
     raise RuntimeError(f"Slurm test cluster: {what} within {timeout:.0f} s; logs: {logs}")
 
 
-@pytest.fixture(scope="session")
-def slurm_cluster() -> Iterator[Cluster]:
-    ensure_packages()
-    if os.geteuid() != 0:
-        pytest.skip("the Slurm tests start slurmctld and slurmd, which needs root")
+@contextlib.contextmanager
+def running_cluster() -> Iterator[Cluster]:
+    """Start the cluster (as root), yield it once its nodes are idle, stop its daemons and delete it."""
     root = Path(tempfile.mkdtemp(prefix="normlab-slurm-"))
     root.chmod(0o755)  # munged (the munge user) must reach its own directory inside
-    for d in ("state", "spool"):
+    for d in ("state", *(f"spool_{node}" for node in NODES)):
         (root / d).mkdir()
     conf = root / "slurm.conf"
     conf.write_text(_conf(root, socket.gethostname()))
@@ -123,12 +131,13 @@ def slurm_cluster() -> Iterator[Cluster]:
         _wait(lambda: (root / "munge" / "munge.socket").exists(), "munged did not start", root)
         daemons.append(subprocess.Popen(["slurmctld", "-D", "-c", "-f", str(conf)], env=env,
                                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
-        daemons.append(subprocess.Popen(["slurmd", "-D", "-f", str(conf)], env=env,
-                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
-        _wait(lambda: cluster.run("sinfo", "-h", "-o", "%t").stdout.strip() == "idle", "the node is not idle", root)
+        daemons += [subprocess.Popen(["slurmd", "-D", "-N", node, "-f", str(conf)], env=env,
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for node in NODES]
+        _wait(lambda: cluster.run("sinfo", "-h", "-N", "-o", "%t").stdout.split() == ["idle"] * len(NODES),
+              "the nodes are not idle", root)
         yield cluster
     finally:
-        for proc in reversed(daemons):  # by pid: other engineers' clusters on this machine are left alone
+        for proc in reversed(daemons):  # by pid: other clusters on this machine are left alone
             proc.terminate()
             try:
                 proc.wait(30)
@@ -136,3 +145,12 @@ def slurm_cluster() -> Iterator[Cluster]:
                 proc.kill()
                 proc.wait()
         shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster() -> Iterator[Cluster]:
+    ensure_packages()
+    if os.geteuid() != 0:
+        pytest.skip("the Slurm tests start slurmctld and slurmd, which needs root")
+    with running_cluster() as cluster:
+        yield cluster

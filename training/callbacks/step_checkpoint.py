@@ -4,8 +4,9 @@ rank's error held until every rank is through the save: `training/checkpointing/
 layout: `training/checkpointing/layout.py`.
 
 Every fit that ends normally also saves the step it ended at (unless that step is saved already): at
-`max_steps`, when another callback stops it (`trainer.should_stop`), and on SIGTERM or Ctrl-C, after which the
-ranks agree to stop after the same step (`stop_signals.py`) and the run exits cleanly once it is saved.
+`max_steps`, when another callback stops it (`trainer.should_stop`), and on SIGTERM, Ctrl-C or the cluster's
+warning signal, after which the ranks agree to stop after the same step (training/signals.py) and the run exits
+cleanly once it is saved.
 Old checkpoints are purged only after a new one is complete.
 """
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Any
 
 from lightning.pytorch import Callback, LightningModule, Trainer
 
-from training.callbacks.stop_signals import StopSignals
+from training import signals
 from training.checkpointing.layout import (
     MANIFEST,
     CheckpointError,
@@ -29,7 +30,7 @@ from training.checkpointing.layout import (
 )
 from training.checkpointing.resume import check_resume
 from training.checkpointing.save import RunRecord, save_step
-from training.compat import require
+from training.compat import own_signals, require
 
 log = logging.getLogger(__name__)
 
@@ -58,12 +59,21 @@ class StepCheckpoint(Callback):
         self.init_from: dict[str, Any] | None = None  # --init_from: the source (checkpointing/init_from.py)
         self._last_saved = -1
         self._boundary = -1  # the global step of the last update boundary seen
-        self._signals = StopSignals()
+        self._signals: signals.StopSignals | None = None  # the process's stop handlers (training/signals.py)
+        self._max_steps: int | None = None  # the trainer's, while a stop has lowered it to the stop's step
+        self._own_handlers = False  # installed here (no `normlab fit` around this fit): restored at its end
         self._git_revision = "unknown"
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if stage != "fit":
             return
+        # normlab's stop handlers, not Lightning's (see training/signals.py): in place before Lightning would
+        # install its own, which it does after the setup hooks.
+        own_signals(trainer)
+        self._signals = signals.active()
+        self._own_handlers = self._signals is None
+        if self._own_handlers:
+            self._signals = signals.install()
         # The processes are connected now: every rank must resume the same checkpoint (each resolved `last` on
         # its own, see `resolve`), and from here on only rank 0 decides about the checkpoints directory.
         mine = self.resume_from
@@ -81,7 +91,9 @@ class StepCheckpoint(Callback):
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._last_saved = self._boundary = trainer.global_step  # never re-save the step a run resumed from
-        self._signals.install(trainer)  # after Lightning installed its own handlers (see stop_signals.py)
+        if trainer.is_global_zero and getattr(trainer.strategy.launcher, "kill", None) is not None:
+            self._signals.forward = trainer.strategy.launcher.kill  # the ranks Lightning spawned stop with this one
+        self._signals.connect(trainer.world_size)  # a collective: every rank
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
         step = trainer.global_step
@@ -89,7 +101,7 @@ class StepCheckpoint(Callback):
         if step == self._boundary:
             return
         self._boundary = step
-        stop = self._signals.agreed(trainer)  # a collective, at every update boundary of every rank
+        stop = self._signals.agreed(trainer.world_size).stop  # a collective, at every update boundary of every rank
         last = stop or 0 < trainer.max_steps <= step
         if self.every_n_steps and (last or step % self.every_n_steps == 0) and step != self._last_saved:
             path = self.save(trainer, pl_module)
@@ -98,18 +110,36 @@ class StepCheckpoint(Callback):
         if stop:
             # Ends the fit after this step, as max_steps does (trainer.should_stop would run one more validation).
             require("lightning.pytorch.loops.training_epoch_loop:_TrainingEpochLoop.max_steps")
+            self._max_steps = trainer.fit_loop.epoch_loop.max_steps  # given back when the fit has ended
             trainer.fit_loop.epoch_loop.max_steps = step
             if trainer.is_global_zero:
-                log.warning("stopping after step %d on %s", step, self._signals.received or "another rank's signal")
+                self._log_stop(step)
+
+    def _log_stop(self, step: int) -> None:
+        """Which signal stopped the fit, and how long after it the step was saved: what a cluster's warning time
+        (`#SBATCH --signal=USR1@<seconds>`) must exceed."""
+        received = ", ".join(self._signals.received) or "another rank's signal"
+        since = self._signals.since_first()
+        after = "" if since is None else f"; saved {since:.1f} s after the signal"
+        log.warning("stopping after step %d on %s%s", step, received, after)
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._signals.restore()
+        self._release_signals()
+        if self._max_steps is not None:  # after a stop: what comes after the fit reads the run's own max_steps
+            trainer.fit_loop.epoch_loop.max_steps, self._max_steps = self._max_steps, None
         # A fit stopped by another callback (trainer.should_stop) ends between the boundaries saved above.
         if self.every_n_steps and trainer.global_step != self._last_saved:
             self._announce(self.save(trainer, pl_module), trainer)
 
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
-        self._signals.restore()
+        self._release_signals()
+
+    def _release_signals(self) -> None:
+        if self._signals is not None:
+            self._signals.forward = None
+        if self._own_handlers:
+            signals.uninstall()
+            self._own_handlers = False
 
     def _announce(self, path: Path, trainer: Trainer) -> None:
         if trainer.is_global_zero:

@@ -52,6 +52,11 @@ def step_dirname(step: int) -> str:
     return f"step-{step:08d}"
 
 
+def step_of(ckpt_dir: str | Path) -> int:
+    """The step of a checkpoint directory `step-XXXXXXXX`."""
+    return int(_STEP_DIR.match(Path(ckpt_dir).name).group(1))
+
+
 def checkpoints_dir(run_dir: str | Path) -> Path:
     return Path(run_dir) / CHECKPOINTS_DIR
 
@@ -67,7 +72,7 @@ def complete_checkpoints(run_dir: str | Path) -> list[Path]:
     if not root.is_dir():
         return []
     found = [p for p in root.iterdir() if _STEP_DIR.match(p.name) and (p / MANIFEST).is_file()]
-    return sorted(found, key=lambda p: int(_STEP_DIR.match(p.name).group(1)))
+    return sorted(found, key=step_of)
 
 
 def incomplete_checkpoints(run_dir: str | Path) -> list[Path]:

@@ -72,10 +72,12 @@ def attempt_outcome(returncode: int, run_dir: Path, log_from: int) -> tuple[str,
 
 
 def train(spec: Spec, run: Run, env: dict[str, str] | None = None,
-          started: Callable[[subprocess.Popen], Any] | None = None, prefix: list[str] | None = None) -> str:
+          started: Callable[[subprocess.Popen], Any] | None = None, prefix: list[str] | None = None,
+          extra: list[str] | None = None) -> str:
     """Train `run` to its end or to its first stop, recording it; returns its status. `started` is called with
     the fit process (the executors keep it to forward signals); `prefix` runs the command through a launcher
-    (Slurm's `srun`)."""
+    (Slurm's `srun`); `extra` are fit arguments of the executor's that do not change what the run computes
+    (its `cluster.*` settings), added after the run's own and not part of its recorded command."""
     run_dir = spec.sweep_dir / run.rel
     run_dir.mkdir(parents=True, exist_ok=True)
     log_path = run_dir / LOG_FILE
@@ -86,7 +88,8 @@ def train(spec: Spec, run: Run, env: dict[str, str] | None = None,
         log.write(f"=== sweep attempt {base['attempts']} on {socket.gethostname()} at "
                   f"{time.strftime('%Y-%m-%dT%H:%M:%S%z')} ===\n".encode())
         log.flush()
-        proc = subprocess.Popen([*(prefix or []), sys.executable, "-m", "training.cli", "fit", *run.fit_args],
+        proc = subprocess.Popen([*(prefix or []), sys.executable, "-m", "training.cli", "fit", *run.fit_args,
+                                 *(extra or [])],
                                 stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 env={**os.environ, **(env or {})})
     base["started"] = time.time()

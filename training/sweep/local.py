@@ -6,8 +6,8 @@ reads at start-up) — so two runs never fight over one core and a run's speed d
 Runs are independent processes: one that diverges or crashes is recorded and the others go on.
 
 The fit processes stay in the sweep's process group, so Ctrl-C (or `kill -- -PGID`) reaches them all; on SIGTERM
-the executor also forwards SIGTERM to each run, which saves its step and exits (training/callbacks/
-stop_signals.py); on either it starts no new run. After a `kill -9` the next sweep resumes the interrupted runs.
+the executor also forwards SIGTERM to each run, which saves its step and exits (training/signals.py); on
+either it starts no new run. After a `kill -9` the next sweep resumes the interrupted runs.
 """
 from __future__ import annotations
 
@@ -100,7 +100,8 @@ class LocalExecutor:
                 self.on_change()
 
             log.info("start %s", run.rel)
-            status = train(self.spec, run, env=slot["env"], started=started)
+            # (a fit here never requeues a Slurm job around the sweep: the sweep decides what runs next)
+            status = train(self.spec, run, env=slot["env"], started=started, extra=["--cluster.requeue=false"])
             with self.lock:
                 self.procs = {pid: p for pid, p in self.procs.items() if p.poll() is None}
                 self.results[run.rel] = status

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from data.atomic import atomic_write
 from data.prepare import ensure_default_corpus
 from training.errors import UserError
 from training.study.claims import CLAIMS, Claim, select
@@ -83,9 +84,8 @@ _SAFE = [Scale, Train, AtInit, Arch]
 
 
 def save_measurements(path: Path, doc: dict) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    torch.save(doc, tmp)
-    tmp.replace(path)
+    with atomic_write(path, "wb") as f:
+        torch.save(doc, f)
 
 
 def load_measurements(path: Path) -> dict:

@@ -7,19 +7,11 @@ from pathlib import Path
 
 import numpy as np
 
+from training.plotting import pyplot, save_figure
 from training.study.judge import Context, capped_final_loss, probes, stream_profile
 from training.study.measure import final_loss
 
 SMOOTH = 10  # steps of the moving average over training losses
-
-
-def _plt():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
 
 
 def band(ax, x: Sequence[float], per_seed: Sequence[Sequence[float]], label: str, **kw) -> None:
@@ -214,13 +206,10 @@ def plot(number: int, ctx: Context, out: Path) -> str | None:
     if number not in PLOTS:
         return None
     name, draw = PLOTS[number]
-    plt = _plt()
+    plt = pyplot()
     panels = 2
     fig, axes = plt.subplots(1, panels, figsize=(5.5 * panels, 4), squeeze=False)
     draw(ctx, list(axes[0]))
     fig.tight_layout()
-    tmp = out / f".{name}.tmp.png"
-    fig.savefig(tmp, dpi=100)
-    plt.close(fig)
-    tmp.replace(out / name)
+    save_figure(fig, out / name, dpi=100)
     return name

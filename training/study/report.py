@@ -10,7 +10,7 @@ import statistics
 from collections import Counter
 from pathlib import Path
 
-from training.checkpointing.layout import write_text_atomic
+from data.atomic import write_text_atomic
 from training.stats import ALPHA, estimate
 from training.study.claims import MECHANISM, PRIMARY, REPORT, REVISIONS, SECONDARY, Claim
 from training.study.grid import AtInit, Scale, Train

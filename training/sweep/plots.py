@@ -8,24 +8,9 @@ from pathlib import Path
 
 import numpy as np
 
+from training.plotting import pyplot, save_figure
 from training.sweep.analysis import Cell, LrGroup
 from training.sweep.results import TRAIN_LOSS, RunResult
-
-
-def _pyplot():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def _save(fig, out: Path) -> None:
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.stem}.tmp{out.suffix}")
-    fig.savefig(tmp, dpi=110)
-    tmp.replace(out)  # atomically: a reader never sees half a PNG
 
 
 def _band(runs: Sequence[RunResult], tag: str) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -40,7 +25,7 @@ def _band(runs: Sequence[RunResult], tag: str) -> tuple[np.ndarray, np.ndarray, 
 def curves(cells: Sequence[Cell], tags: Sequence[str], out: Path) -> None:
     """One panel per tag: each cell's mean over the seeds that did not diverge, shaded from their min to their
     max; a diverged run's own curve dotted, ending where it stopped logging."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, axes = plt.subplots(1, len(tags), figsize=(6.5 * len(tags), 4.5), squeeze=False)
     colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for ax, tag in zip(axes[0], tags, strict=True):
@@ -69,14 +54,13 @@ def curves(cells: Sequence[Cell], tags: Sequence[str], out: Path) -> None:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     fig.tight_layout()
-    _save(fig, out)
-    plt.close(fig)
+    save_figure(fig, out)
 
 
 def lr_curves(groups: Sequence[LrGroup], metric: str, out: Path) -> None:
     """Per group: the score per LR (the mean final metric, diverged runs at the cap) as a line, each seed's
     final metric as a dot, each diverged run as an × at the cap; log-scaled LR axis."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.5))
     colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for i, group in enumerate(groups):
@@ -96,8 +80,7 @@ def lr_curves(groups: Sequence[LrGroup], metric: str, out: Path) -> None:
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=8)
     fig.tight_layout()
-    _save(fig, out)
-    plt.close(fig)
+    save_figure(fig, out)
 
 
 def curve_tags(metric: str) -> list[str]:

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from training.checkpointing.layout import write_text_atomic
+from data.atomic import write_text_atomic
 from training.errors import UserError
 from training.stats import ALPHA, Estimate
 from training.sweep import plots

@@ -16,10 +16,11 @@ from data.prepare import ensure_default_corpus
 from training.errors import UserError
 from training.study.claims import CLAIMS, Claim, select
 from training.study.grid import SCALES, Arch, AtInit, Scale, Train
-from training.study.judge import Context, judge_all
+from training.study.judge import judge_all
 from training.study.plots import plot
 from training.study.report import write_csvs, write_report, write_results
 from training.study.runner import load_data, main_process_measurements, plan, roles_of, run_jobs
+from training.study.statistics import Context
 
 log = logging.getLogger(__name__)
 

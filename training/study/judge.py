@@ -117,7 +117,8 @@ def measure(ctx: Context, test: Test) -> Outcome:
     a, b = _samples(ctx, test)
     out = from_samples(test, a, b)
     if b is not None and test.stat == "best_lr_loss":
-        out.bootstrap = best_lr_bootstrap(capped_grid(ctx, test.a), capped_grid(ctx, test.b))
+        lo, hi = best_lr_bootstrap(capped_grid(ctx, test.a), capped_grid(ctx, test.b))
+        out.bootstrap = lo - test.threshold, hi - test.threshold  # on the scale of the judged difference
     return out
 
 

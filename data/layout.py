@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from data.atomic import write_text_atomic
 from data.errors import DataError
 from data.tokenizer import Tokenizer, open_tokenizer
 
@@ -50,7 +51,7 @@ def index_file(split: str) -> str:
 
 
 def write_meta(directory: Path, meta: dict[str, Any]) -> None:
-    (directory / META_FILE).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    write_text_atomic(directory / META_FILE, json.dumps(meta, indent=2, sort_keys=True) + "\n")
 
 
 def read_meta(directory: str | Path) -> dict[str, Any] | None:

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from data import layout
+from data.atomic import write_text_atomic
 from data.errors import DataError
 
 logger = logging.getLogger(__name__)
@@ -165,6 +166,4 @@ def read_progress(stage: Path, fingerprint: str) -> dict[str, Any] | None:
 def save_progress(stage: Path, progress: dict[str, Any]) -> None:
     """Atomically replace ``progress.json`` (written only after the token files are flushed)."""
     path = stage / PROGRESS_FILE
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(progress), encoding="utf-8")
-    os.replace(tmp, path)
+    write_text_atomic(path, json.dumps(progress))

@@ -1,7 +1,9 @@
 """The sweep report on a real local sweep of tiny `normlab fit` runs (`normlab sweep SPEC`, then `--report`):
 every number in report.md and runs.csv equals the one recomputed here from each run's own TensorBoard event
-files (EventAccumulator directly, and scipy for the intervals), a diverged run is counted as an outcome,
-`normlab compare --group_by` prints the same tables, and bad input is one line."""
+files (EventAccumulator directly, and scipy for the intervals), a diverged run is counted as an outcome (the
+worst value of its seed), the spec's question decides what is judged and Holm's family, the baseline that is the
+best cell is flagged, `--plan` sizes the seeds from the sweep as a pilot, `normlab compare --group_by` prints
+the same tables, and bad input is one line."""
 from __future__ import annotations
 
 import csv
@@ -15,6 +17,7 @@ import yaml
 
 from tests.helpers.multiproc import REPO, run_normlab
 from training.errors import UserError
+from training.stats import holm
 from training.sweep.report import write_report
 
 pytestmark = pytest.mark.slow
@@ -96,14 +99,19 @@ def test_report_numbers_equal_those_recomputed_from_the_event_files(sweep):
                             f"{statistics.fmean(xs):.4f} ± {statistics.stdev(xs):.4f} (n=2)", f"[{lo:.4f}, {hi:.4f}]"]
         assert row[5] == f"s0: {xs[0]:.4f}, s1: {xs[1]:.4f}"
 
-    # against the baseline: the paired difference, its interval and p-value (scipy's paired t-test); Holm's
-    # correction leaves a family of one testable comparison unchanged (the diverged cells have no pair)
+    # against the baseline: the paired difference, its interval and p-value (scipy's paired t-test) and the
+    # sign-flip p (two seeds: 4 sign patterns), Holm's correction across the question's 3 cells (the two
+    # diverged ones: both seeds worse, a sign-flip p of 2/4)
     post, pre = ([final[c, s] for s in (0, 1)] for c in (POST, BASELINE))
     res = scipy_stats.ttest_rel(post, pre)
     ci = res.confidence_interval(0.95)
+    d = [a - b for a, b in zip(post, pre, strict=True)]
+    perm = 0.5 if d[0] * d[1] > 0 else 1.0
     row = _row(_section(text, "Against the baseline"), POST)
-    assert row[1:5] == ["2 of 2", f"{statistics.fmean(post) - statistics.fmean(pre):+.4f}",
-                        f"[{ci.low:+.4f}, {ci.high:+.4f}]", f"{res.pvalue:.3g}, {res.pvalue:.3g}"]
+    assert row[1:4] == ["2 of 2", f"{statistics.fmean(post) - statistics.fmean(pre):+.4f}",
+                        f"[{ci.low:+.4f}, {ci.high:+.4f}]"]
+    adjusted = [holm([p, 0.5, 0.5])[0] for p in (res.pvalue, perm)]
+    assert row[4] == f"{res.pvalue:.3g} / {perm:.3g}, {adjusted[0]:.3g} / {adjusted[1]:.3g}"
 
 
 def test_a_diverged_run_is_an_outcome_not_a_number(sweep, tmp_path):
@@ -112,26 +120,43 @@ def test_a_diverged_run_is_an_outcome_not_a_number(sweep, tmp_path):
     for cell in (HUGE, POST_HUGE):
         row = _row(_section(text, "Cells"), cell)
         assert row[1:6] == ["2", "0 / 0 / 2", "—", "—", "s0: diverged, s1: diverged"]
-        # against the baseline: no pair with two numbers, two seeds diverged here only (McNemar: p = 0.5; Holm
-        # over the two such cells: 1) — never EQUIVALENT, and too few seeds to call it WORSE
+        # against the baseline: no pair with two numbers, two seeds diverged here only: the worst value on both
+        # seeds (signed ranks: p = 2/4) — never EQUIVALENT, and too few seeds to call it WORSE
         row = _row(_section(text, "Against the baseline"), cell)
-        assert row[1] == "0 of 2" and row[6] == "2 / 0: 0.5, 1" and row[7] == "**INCONCLUSIVE**"
+        assert row[1] == "0 of 2" and row[4].startswith("0.5 / 0.5, ") and row[6] == "2 / 0"
+        assert row[5].startswith("—") and row[8] == "**INCONCLUSIVE**"
         assert all(rows[cell, s]["outcome"] == "diverged" and rows[cell, s]["final"] == "" for s in ("0", "1"))
 
-    # the LR table: each placement's best LR is the default one, and its LR sensitivity (Wortsman et al.) counts
-    # each diverged run as the initial loss — the median of the group's first logged train/loss values
+    # the LR table: each placement's best LR is the default one (at the grid's edge: unbracketed), and its LR
+    # sensitivity (Wortsman et al.) counts each diverged run as its seed's loss at initialization
     for placement, good_cell in (("pre", BASELINE), ("post", POST)):
-        firsts = [_events(sweep / c / f"s{s}", "train/loss")[0] for c, p, s in RUNS
-                  if p["model.placement"] == placement and (p["optim.lr"] != HUGE_LR or _events(
-                      sweep / c / f"s{s}", "train/loss"))]
-        cap = statistics.median(firsts)
-        per_seed = []
-        for seed in (0, 1):
-            good = min(_events(sweep / good_cell / f"s{seed}", "val/loss")[-1], cap)
-            per_seed.append((good + cap) / 2 - good)  # mean over the two LRs minus the best
+        per_seed = _sensitivities(sweep, placement, good_cell)
         lo, hi = scipy_stats.t.interval(0.95, 1, loc=statistics.fmean(per_seed), scale=scipy_stats.sem(per_seed))
         row = _row(_section(text, "Learning rate"), f"placement={placement}")
-        assert row[1] == "0.001" and row[4] == f"{statistics.fmean(per_seed):.4f}, [{lo:.4f}, {hi:.4f}]"
+        assert row[1] == "0.001 (unbracketed: at the grid's edge)"
+        assert row[4] == f"{statistics.fmean(per_seed):.4f}, [{lo:.4f}, {hi:.4f}]"
+
+
+def _sensitivities(sweep: Path, placement: str, good_cell: str) -> list[float]:
+    """Per seed, the LR sensitivity over {0.001, HUGE_LR} from the event files: the cap is the median of the
+    seed's runs' step-1 train/loss (the loss at initialization, logged by every run, the diverged ones too)."""
+    out = []
+    for seed in (0, 1):
+        firsts = [steps[0] for c, p, _ in RUNS[::2] if p["model.placement"] == placement
+                  and (steps := _steps(sweep / c / f"s{seed}", "train/loss"))]
+        assert all(step == 1 for step, _ in firsts)
+        cap = statistics.median(v for _, v in firsts)
+        good = min(_events(sweep / good_cell / f"s{seed}", "val/loss")[-1], cap)
+        out.append((good + cap) / 2 - good)  # mean over the two LRs minus the best
+    return out
+
+
+def _steps(run_dir: Path, tag: str) -> list[tuple[int, float]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})
+    acc.Reload()
+    return sorted((e.step, e.value) for e in acc.Scalars(tag))
 
 
 def test_runs_the_runner_has_not_finished_are_listed_not_counted(sweep, tmp_path):
@@ -144,7 +169,7 @@ def test_runs_the_runner_has_not_finished_are_listed_not_counted(sweep, tmp_path
     assert row[1] == "2" and row[2].endswith(" / 1") and row[5] == f"s0: {s0:.4f}, s1: diverged"
     assert _row(_section(text, "Cells"), POST)[1] == "1"
     row = _row(_section(text, "Against the baseline"), POST)
-    assert row[1] == "1 of 1" and row[7] == "**INCONCLUSIVE**"  # one pair: no interval
+    assert row[1] == "1 of 1" and row[8] == "**INCONCLUSIVE**"  # one pair: no interval
     assert f"`{sweep / POST / 's1'}` ({POST}): pending" in _section(text, "Not included")
 
 
@@ -186,6 +211,7 @@ def _variant(sweep: Path, root: Path, **fields) -> Path:
     ({"baseline": "placement=mid"}, "baseline 'placement=mid' is not a cell; choose one of"),
     ({"margin": -1}, "margin -1 must be a number > 0"),
     ({"mode": "lowest"}, "mode 'lowest' must be one of"),
+    ({"question": "why"}, "question 'why' must be one of"),
 ])
 def test_bad_input_is_one_line(sweep, tmp_path, fields, message, capsys):
     from training.errors import report
@@ -206,4 +232,50 @@ def test_without_margin_or_lr_key(sweep, tmp_path):
     text = write_report(_variant(sweep, tmp_path / "v", margin=None, lr_key=None)).read_text()
     assert "no margin" in text and "no equivalence test" in text and "## Learning rate" not in text
     row = _row(_section(text, "Against the baseline"), POST)
-    assert row[5] == "—, —" and row[7] != "**EQUIVALENT**"
+    assert row[5] == "—, —" and row[8] != "**EQUIVALENT**"
+
+
+def test_the_question_decides_what_is_judged(sweep, tmp_path):
+    """question lr_sensitivity: the LR groups are judged (post's per-seed LR sensitivity − pre's, a paired
+    t-test as scipy's), the cells against the baseline are shown but not judged; a family of one group."""
+    text = write_report(_variant(sweep, tmp_path / "q", question="lr_sensitivity")).read_text()
+    section = _section(text, "LR groups against `placement=pre`")
+    rows = [line for line in section.splitlines() if line.startswith("| placement=post |")]
+    sens, best = ([c.strip() for c in r.strip("|").split("|")] for r in rows)
+    assert sens[1] == "LR sensitivity" and best[1].startswith("at its own best LR")
+    post, pre = _sensitivities(sweep, "post", POST), _sensitivities(sweep, "pre", BASELINE)
+    res = scipy_stats.ttest_rel(post, pre)
+    assert sens[3] == f"{statistics.fmean(post) - statistics.fmean(pre):+.4f}"
+    assert sens[6].startswith(f"{res.pvalue:.3g} / ") and sens[8].startswith("**")
+    assert best[8] == "— (not the question)"
+    assert _row(_section(text, "Against the baseline"), POST)[8] == "— (not the question)"
+    assert "question `lr_sensitivity`" in text
+
+
+def test_a_baseline_that_is_the_best_cell_is_flagged(sweep, tmp_path):
+    finals = {c: statistics.fmean(_events(sweep / c / f"s{s}", "val/loss")[-1] for s in (0, 1))
+              for c in (BASELINE, POST)}
+    best, other = sorted(finals, key=finals.get)
+    compare = {"compare": [other]}  # the diverged cells are no candidates
+    flagged = write_report(_variant(sweep, tmp_path / "b", baseline=best, **compare)).read_text()
+    assert f"**Warning:** the baseline `{best}` is the best of the 2 cells compared" in flagged
+    plain = write_report(_variant(sweep, tmp_path / "o", baseline=other, compare=[best])).read_text()
+    assert "**Warning:**" not in plain
+    assert _section(plain, "Against the baseline").count("| placement=") == 1  # only the family's cell
+
+
+def test_plan_sizes_the_seeds_from_the_sweep_as_a_pilot(sweep):
+    """`--plan` on the spec whose sweep ran: per cell of the question, the sd of its per-seed differences
+    from the pilot, power and seeds needed at α/3 (three cells against the baseline)."""
+    from training.stats import Estimate, power_at, seeds_needed
+
+    proc = run_normlab(["sweep", str(sweep.parents[1] / "demo.yaml"), "--plan"], cwd=sweep.parents[1])
+    out = proc.stdout
+    assert "3 comparison(s) against `placement=pre,lr=0.001`, judged at α/k = 0.0167" in out
+    d = [_events(sweep / POST / f"s{s}", "val/loss")[-1] - _events(sweep / BASELINE / f"s{s}", "val/loss")[-1]
+         for s in (0, 1)]
+    sd = statistics.stdev(d)
+    row = _row(out, POST)
+    power = power_at(Estimate(0.0, sd, 2, 0.0, 0.0, sd / 2 ** 0.5, 1), 0.05, 0.05 / 3)
+    assert row[1] == f"{sd:.4g} (n=2)" and row[2] == f"{power:.0%}"
+    assert row[4] == str(seeds_needed(sd, 0.05, 0.05 / 3) or "> 1000")

@@ -33,6 +33,7 @@ import numpy as np
 
 from training.errors import UserError
 from training.errors import report as report_error
+from training.plotting import pyplot, save_figure
 from training.sweep.results import RunResult, plain_tags, read_run, result, tokens_per_step
 from training.sweep.state import RUN_RECORD  # what `normlab sweep` records of a run's last attempt
 
@@ -99,12 +100,7 @@ def report(runs: list[dict[str, Any]], summaries: list[dict[str, Any]], last: in
 
 
 def plot(runs: list[dict[str, Any]], out: Path, metric: str = "val/loss") -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = pyplot().subplots(figsize=(7, 4.5))
     for run in runs:
         per_step = tokens_per_step(run)
         for tag, style in (("train/loss", "-"), (metric, "--")):
@@ -117,11 +113,7 @@ def plot(runs: list[dict[str, Any]], out: Path, metric: str = "val/loss") -> Non
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.stem}.tmp{out.suffix}")
-    fig.savefig(tmp, dpi=120)
-    plt.close(fig)
-    tmp.replace(out)  # atomically
+    save_figure(fig, out, dpi=120)
 
 
 def status(run: dict[str, Any], metric: str) -> str:

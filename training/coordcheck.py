@@ -23,11 +23,12 @@ from pathlib import Path
 
 import torch
 
+from data.atomic import write_text_atomic
 from model import ModelConfig, Transformer
 from model.probes import record, token_rms
-from training.checkpointing.layout import write_text_atomic
 from training.errors import UserError, report
 from training.optim import OptimConfig, build_optimizer
+from training.plotting import pyplot, save_figure
 
 log = logging.getLogger(__name__)
 QUANTITIES = ("stream", "attn", "mlp", "logits")
@@ -109,13 +110,8 @@ def table(results: list[dict]) -> str:
 
 def plot(results: list[dict], path: Path) -> None:
     """One row per configuration, one log-log panel per quantity, one line per layer."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     # one y-scale per column: standard and μP rows compare at a glance
-    fig, axes = plt.subplots(len(results), len(QUANTITIES), figsize=(3.2 * len(QUANTITIES), 2.6 * len(results)),
+    fig, axes = pyplot().subplots(len(results), len(QUANTITIES), figsize=(3.2 * len(QUANTITIES), 2.6 * len(results)),
                              squeeze=False, sharey="col")
     for row, r in zip(axes, results, strict=True):
         c = r["config"]
@@ -129,10 +125,7 @@ def plot(results: list[dict], path: Path) -> None:
             ax.legend(fontsize=6)
             ax.tick_params(labelsize=6)
     fig.tight_layout()
-    tmp = path.with_name(f".{path.name}.tmp")
-    fig.savefig(tmp, dpi=110, format="png")
-    plt.close(fig)
-    tmp.replace(path)
+    save_figure(fig, path)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -26,6 +26,7 @@ from model import ModelConfig, Transformer
 from model.optimize import compile_blocks, enable_activation_checkpointing
 from training.errors import UserError
 from training.eval.metrics import LossTotals, batch_loss, perplexity, split_batch
+from training.loggers import log_scalars
 from training.optim import OptimConfig, build_optimizer, check_group_names, param_groups
 from training.strategy import is_deepspeed
 
@@ -121,9 +122,18 @@ class LitLM(LightningModule):
                 # Short name for the progress bar, copied to the host here (one sync, on a logging step):
                 # Lightning reads every progress-bar value back after every batch — a GPU sync if on the GPU.
                 self.log("loss", loss.detach().cpu(), prog_bar=True, logger=False)
+            elif self.global_step == 0:
+                self._log_initial_loss()
             self._micro_losses = []
         self._log_lrs()
         return loss
+
+    def _log_initial_loss(self) -> None:
+        """train/loss of update 1 — the untrained model's loss — at step 1 even when `log_every_n_steps` skips
+        it: a diverged run counts as this loss in the sweep's learning-rate statistics, and a later one would
+        depend on the LR. Once per fresh fit (one all-reduce, one host sync)."""
+        loss = self.trainer.strategy.reduce(torch.stack(self._micro_losses).mean(), reduce_op="mean")
+        log_scalars(self.trainer, {"train/loss": float(loss)}, step=1)
 
     # Validation/test: an exact mean over all batches of all ranks (sums and counts, reduced once), so
     # val/ppl is exactly exp(val/loss). One row per validation loader: the datamodule's `val_sets_order`

@@ -6,9 +6,10 @@ Every number a verdict uses is a sample over seeds:
   share a seed (same initialization, same batches), where the seed's own effect cancels;
 - `difference(a, b)`: the Welch interval of mean(a) − mean(b), for arms that share nothing.
 
-An `Estimate` carries its standard error and degrees of freedom, so it gives its interval at any level and the
-p-values of the tests below. A comparison against a practical-significance margin m (the smallest effect of
-interest, fixed before any run) has four outcomes:
+An `Estimate` carries its samples, standard error and degrees of freedom, so it gives its interval at any level,
+the p-values of the t-tests below and of their distribution-free twins (`sign_flip_p`: the exact sign-flip
+permutation test of the per-seed differences). A comparison against a practical-significance margin m (the
+smallest effect of interest, fixed before any run) has four outcomes:
 
 - EQUIVALENT — the difference is inside ±m (two one-sided tests: both `d > −m` and `d < m` rejected at α/2 each,
   i.e. for a single comparison the (1−α) interval lies inside (−m, m)): a measured null;
@@ -16,35 +17,46 @@ interest, fixed before any run) has four outcomes:
   of the difference and which direction is better;
 - INCONCLUSIVE — neither: the difference is within its noise.
 
-With several comparisons (a sweep's cells against one baseline, a study's primary tests) `judge_family` adjusts
-each family of p-values with Holm's step-down procedure before applying the rule, so the chance of any false
-BETTER/WORSE (or any false EQUIVALENT) across the family stays ≤ α. Outcomes that are not numbers — a run that
-diverged — are compared as counts with exact tests (`outcome_test`), never dropped as missing: given the seeds
-whose run diverged in one arm only, `judge_family` decides on those first (see `_verdict`).
-A run's outcome (trains / stalled / diverged) is `training_outcome` of its training losses.
+Multiplicity: `judge_family` adjusts each family of p-values with Holm's step-down procedure, so within one
+family the chance of any false BETTER/WORSE (or any false EQUIVALENT) stays ≤ α. A family is one question — a
+study claim's primaries, a sweep's compared cells — never everything a command happened to run, so a verdict
+does not depend on what else was run. Across families (a study's claims) `benjamini_hochberg` gives q-values that
+bound the expected share of false findings on a scorecard. Power and the minimum detectable effect are given at
+the level the family's smallest p must beat (α/k).
+
+A run that diverged is an outcome, not a number: it counts as worse than any run that trained. A comparison
+with seeds where only one arm diverged is decided by the exact sign-flip test of the signed ranks of every
+seed's difference (diverged = worst), so agreeing evidence from both kinds of seed adds up; the t-interval over
+the seeds where both trained is shown beside it. A run's outcome (trains / stalled / diverged) is
+`training_outcome` of its losses. The learning-rate statistics (`initial_loss_cap`, `lr_sensitivity`,
+`best_index`, `crossfit_best`, `best_lr_bootstrap`) are defined here once for the study and the sweeps.
 """
 from __future__ import annotations
 
 import math
 import statistics
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+import numpy as np
+from scipy import integrate
 from scipy import stats as _scipy
 
 BETTER, WORSE, EQUIVALENT, INCONCLUSIVE = "BETTER", "WORSE", "EQUIVALENT", "INCONCLUSIVE"
 COMPARISONS = (BETTER, WORSE, EQUIVALENT, INCONCLUSIVE)
-PASS, FAIL = "PASS", "FAIL"  # a claim's threshold test (`verdict`); INCONCLUSIVE as above
-VERDICTS = (PASS, FAIL, INCONCLUSIVE)
-KINDS = ("greater", "less", "equivalent", "exact", "report")
+PASS, FAIL = "PASS", "FAIL"  # a study claim's verdict names (training/study/judge.py); INCONCLUSIVE as above
 ALPHA = 0.05
+P_KEYS = ("difference", "equivalence", "difference_perm", "equivalence_perm")  # a comparison's p-values
+EXACT_FLIPS = 20  # up to this many seeds every sign pattern is enumerated; beyond, a fixed sample of them
+SAMPLED_FLIPS = 1 << 16
 
 
 @dataclass(frozen=True)
 class Estimate:
     """A mean (or a difference of means) over `n` seeds: its sd (of the samples; for a Welch difference, the
     standard error), its standard error `se` with `df` degrees of freedom, and the interval [lo, hi] at
-    `confidence`. One sample: sd = se = 0, df = 0, lo = hi = mean (no noise estimate: no test can reject)."""
+    `confidence`. One sample: sd = se = 0, df = 0, lo = hi = mean (no noise estimate: no test can reject).
+    `samples`: the finite values it was computed from (empty for a Welch difference), for the sign-flip tests."""
 
     mean: float
     sd: float
@@ -54,6 +66,7 @@ class Estimate:
     se: float = 0.0
     df: float = 0.0
     confidence: float = 0.95
+    samples: tuple[float, ...] = field(default=(), repr=False)
 
     def __str__(self) -> str:
         if self.n == 1:
@@ -133,14 +146,14 @@ def estimate(samples: Sequence[float], confidence: float = 0.95) -> Estimate:
         return _non_finite(samples, len(samples))
     mean = statistics.fmean(xs)
     if len(xs) == 1:
-        return Estimate(mean, 0.0, 1, mean, mean, 0.0, 0.0, confidence)
+        return Estimate(mean, 0.0, 1, mean, mean, 0.0, 0.0, confidence, tuple(xs))
     sd = statistics.stdev(xs)
     se = sd / math.sqrt(len(xs))
     lo, hi = mean, mean
     if se > 0:
         half = t_quantile(0.5 + confidence / 2, len(xs) - 1) * se
         lo, hi = mean - half, mean + half
-    return Estimate(mean, sd, len(xs), lo, hi, se, len(xs) - 1, confidence)
+    return Estimate(mean, sd, len(xs), lo, hi, se, len(xs) - 1, confidence, tuple(xs))
 
 
 def paired_difference(a: Sequence[float], b: Sequence[float], confidence: float = 0.95) -> Estimate:
@@ -167,6 +180,8 @@ def difference(a: Sequence[float], b: Sequence[float], confidence: float = 0.95)
     return Estimate(d, se, ea.n + eb.n, d - half, d + half, se, df, confidence)
 
 
+
+
 def min_detectable(est: Estimate, alpha: float = ALPHA, power: float = 0.8) -> float:
     """The smallest true effect a two-sided t-test at `alpha` detects with probability `power`, given the
     estimate's standard error and degrees of freedom: (t_{1−α/2} + t_{power})·se (the usual approximation)."""
@@ -176,16 +191,44 @@ def min_detectable(est: Estimate, alpha: float = ALPHA, power: float = 0.8) -> f
 
 
 def power_at(est: Estimate, effect: float, alpha: float = ALPHA, equivalence: bool = False) -> float:
-    """The probability that the test rejects at a true effect `effect`, given the estimate's standard error and
-    degrees of freedom: for the two-sided t-test of 0, from the noncentral t; for equivalence within ±`effect`
-    (TOST at α/2 per side) at a true difference of 0, the usual approximation 2·F_t(effect/se − t_{1−α/2}) − 1."""
+    """The probability that the test rejects at level `alpha` at a true effect `effect`, given the estimate's
+    standard error and degrees of freedom: for the two-sided t-test of 0, from the noncentral t; for
+    equivalence within ±`effect` (TOST at α/2 per side: the (1−α) interval inside ±effect) at a true
+    difference of 0, exactly, by integrating over the sampling distribution of the standard error (the
+    interval's half-width is random too). Give the level the test is actually judged at (α/k in a family of
+    k)."""
     if est.df < 1 or not est.se > 0:
         return math.nan
     crit = t_quantile(1 - alpha / 2, est.df)
     if equivalence:
-        return max(0.0, 2 * float(_scipy.t.cdf(abs(effect) / est.se - crit, est.df)) - 1)
+        return _tost_power(abs(effect), est.se, est.df, crit)
     nc = abs(effect) / est.se
     return float(_scipy.nct.sf(crit, est.df, nc) + _scipy.nct.cdf(-crit, est.df, nc))
+
+
+def _tost_power(margin: float, se: float, df: float, crit: float) -> float:
+    """P(|mean| + crit·ŝe < margin) at a true mean 0, mean ~ N(0, se²), ŝe² ~ se²·χ²_df/df independent."""
+    upper = df * (margin / (crit * se)) ** 2  # χ² values beyond it leave no room inside the margin
+
+    def inside(u: float) -> float:
+        half = margin - crit * se * math.sqrt(u / df)
+        return (2 * _scipy.norm.cdf(half / se) - 1) * _scipy.chi2.pdf(u, df)
+
+    return float(max(0.0, integrate.quad(inside, 0.0, upper, limit=200)[0]))
+
+
+def seeds_needed(sd: float, effect: float, alpha: float = ALPHA, power: float = 0.8, equivalence: bool = False,
+                 most: int = 1000) -> int | None:
+    """The fewest seeds (≥ 2) at which a paired comparison whose per-seed differences have standard deviation
+    `sd` reaches `power` (`power_at` at level `alpha`): to detect a true effect of `effect`, or (equivalence)
+    to show |difference| < `effect` at a true difference of 0. None if not within `most` seeds."""
+    if not sd > 0 or not effect:
+        return None
+    for n in range(2, most + 1):
+        est = Estimate(0.0, sd, n, 0.0, 0.0, sd / math.sqrt(n), n - 1)
+        if power_at(est, effect, alpha, equivalence) >= power:
+            return n
+    return None
 
 
 def holm(p_values: Sequence[float]) -> list[float]:
@@ -202,85 +245,180 @@ def holm(p_values: Sequence[float]) -> list[float]:
     return out
 
 
-@dataclass(frozen=True)
-class Judgement:
-    """One comparison: the difference (candidate − baseline), its two p-values before and after Holm's
-    adjustment across the family, and the verdict."""
-
-    difference: Estimate
-    margin: float | None
-    p_difference: float
-    p_equivalent: float
-    p_difference_adjusted: float
-    p_equivalent_adjusted: float
-    verdict: str
-    discordant: tuple[int, int] = (0, 0)  # seeds diverged in the candidate only, in the baseline only
-    p_outcome: float = math.nan  # McNemar's exact test on `discordant` (NaN: no discordant seed, nothing to test)
-    p_outcome_adjusted: float = math.nan
+def benjamini_hochberg(p_values: Sequence[float]) -> list[float]:
+    """Benjamini–Hochberg q-values (step-up, 1995), in the input order: the i-th smallest of k times k / i, made
+    monotone from the largest down and capped at 1; rejecting every q ≤ α keeps the expected share of false
+    rejections ≤ α for independent tests. NaN entries stay NaN and do not count towards k."""
+    indexed = sorted((p, i) for i, p in enumerate(p_values) if not math.isnan(p))
+    k = len(indexed)
+    out = [math.nan] * len(p_values)
+    running = 1.0
+    for rank in range(k - 1, -1, -1):
+        p, i = indexed[rank]
+        running = min(running, k * p / (rank + 1))
+        out[i] = running
+    return out
 
 
-def _direction(candidate_wins: bool) -> str:
-    return BETTER if candidate_wins else WORSE
+def _flip_sums(values: np.ndarray) -> np.ndarray:
+    """Σ s_i·v_i over every sign pattern s (n ≤ EXACT_FLIPS), else over SAMPLED_FLIPS fixed random ones plus the
+    observed pattern."""
+    if len(values) <= EXACT_FLIPS:
+        sums = np.zeros(1)
+        for v in values:  # each value doubles the list: the sums with +v and with −v
+            sums = np.concatenate([sums + v, sums - v])
+        return sums
+    signs = np.random.default_rng(0).choice([-1.0, 1.0], size=(SAMPLED_FLIPS, len(values)))
+    return np.concatenate([signs @ values, [values.sum()]])
 
 
-def _metric_verdict(d: Estimate, p_diff: float, p_equiv: float, better: str, alpha: float) -> str:
-    if not math.isnan(p_equiv) and p_equiv < alpha:
+def sign_flip_p(values: Sequence[float], alternative: str = "two-sided", ranks: bool = False) -> float:
+    """The sign-flip permutation p of per-seed differences (Fisher's exact test for paired data): under the
+    null each difference is as likely to have either sign (symmetric about 0), so the observed sum is compared
+    with its value under all 2^n sign patterns — exact, no normality assumed; with n seeds the smallest
+    two-sided p is 2/2^n. `ranks`: the signed ranks of |difference| instead of the values (Wilcoxon's
+    statistic, exact, ties at mid-ranks, zeros dropped), which admits ±inf (a diverged run: worse than any
+    number). `alternative`: "two-sided", "greater" (the differences exceed 0) or "less". NaN entries are
+    dropped (no information); without ranks an infinite value gives NaN."""
+    xs = np.asarray([float(v) for v in values if not math.isnan(v)])
+    if ranks:
+        xs = xs[xs != 0]
+        xs = np.sign(xs) * _scipy.rankdata(np.abs(xs))
+    elif not np.isfinite(xs).all():
+        return math.nan
+    if len(xs) == 0:
+        return math.nan
+    sums, observed = _flip_sums(xs), float(xs.sum())
+    tol = 1e-9 * max(1.0, float(np.abs(xs).sum()))  # float sums of equal patterns differ in the last bits
+    if alternative == "two-sided":
+        return float(np.mean(np.abs(sums) >= abs(observed) - tol))
+    if alternative == "greater":
+        return float(np.mean(sums >= observed - tol))
+    if alternative == "less":
+        return float(np.mean(sums <= observed + tol))
+    raise ValueError(f"alternative={alternative!r} must be 'two-sided', 'greater' or 'less'")
+
+
+def _perm_equivalent(xs: Sequence[float], margin: float) -> float:
+    """The sign-flip twin of `Estimate.p_equivalent`: twice the larger of the one-sided tests of d + m > 0 and
+    d − m < 0."""
+    return min(1.0, 2 * max(sign_flip_p([x + margin for x in xs], "greater"),
+                            sign_flip_p([x - margin for x in xs], "less")))
+
+
+def _perm_exceeds(xs: Sequence[float], margin: float) -> float:
+    """The sign-flip twin of `Estimate.p_exceeds`: twice the smaller of the tests of d − m > 0 and d + m < 0."""
+    return min(1.0, 2 * min(sign_flip_p([x - margin for x in xs], "greater"),
+                            sign_flip_p([x + margin for x in xs], "less")))
+
+
+def with_divergences(d: Estimate, discordant: tuple[int, int]) -> list[float]:
+    """The per-seed differences of a paired comparison, a seed where only the candidate diverged as +inf and
+    one where only the baseline diverged as −inf (in loss orientation: a diverged run is the larger loss)."""
+    return [*d.samples, *[math.inf] * discordant[0], *[-math.inf] * discordant[1]]
+
+
+def p_values(d: Estimate, margin: float | None, discordant: tuple[int, int] = (0, 0),
+             equivalence_claim: bool = False) -> tuple[dict[str, float], float]:
+    """The raw p-values of one comparison (`P_KEYS`) and the sign of its effect.
+
+    Without a seed that diverged in one arm only: "difference", the t-test of 0 (for an equivalence claim,
+    `p_exceeds`: |d| > margin); "equivalence", TOST within ±margin; and their sign-flip twins. With such seeds:
+    "difference" is the exact sign-flip test of the signed ranks over every seed (diverged = worst:
+    `with_divergences`), its twin the same, and no equivalence (one arm diverged where the other did not)."""
+    nan = math.nan
+    if sum(discordant):
+        values = with_divergences(d, discordant)
+        ranked = [v for v in values if v != 0]
+        direction = float(np.sum(np.sign(ranked) * _scipy.rankdata(np.abs(ranked)))) if ranked else 0.0
+        p = sign_flip_p(values, ranks=True)
+        return {"difference": p, "equivalence": nan, "difference_perm": p, "equivalence_perm": nan}, direction
+    xs, m = d.samples, margin
+    perm = bool(xs) and len(xs) == d.n
+    p = {"difference": d.p_exceeds(m) if equivalence_claim and m else d.p_value(),
+         "equivalence": d.p_equivalent(m) if m else nan,
+         "difference_perm": (_perm_exceeds(xs, m) if equivalence_claim and m else sign_flip_p(xs)) if perm else nan,
+         "equivalence_perm": _perm_equivalent(xs, m) if m and perm else nan}
+    return p, d.mean
+
+
+def comparison_verdict(direction: float, p_diff: float, p_equiv: float, better: str, alpha: float = ALPHA) -> str:
+    """The verdict of one comparison from its (adjusted) p-values: EQUIVALENT when "equivalence" rejects, else
+    BETTER / WORSE by the sign of `direction` when "difference" rejects, else INCONCLUSIVE (NaN never rejects)."""
+    if p_equiv < alpha:
         return EQUIVALENT
-    if not math.isnan(p_diff) and p_diff < alpha and d.mean != 0:
-        return _direction((d.mean < 0) == (better == "lower"))
+    if p_diff < alpha and direction != 0:
+        return BETTER if (direction < 0) == (better == "lower") else WORSE
     return INCONCLUSIVE
 
 
-def comparison_verdict(d: Estimate, p_diff: float, p_equiv: float, better: str, alpha: float,
-                       discordant: tuple[int, int], p_outcome: float) -> str:
-    """The verdict of one comparison from its Holm-adjusted p-values.
+@dataclass(frozen=True)
+class Judgement:
+    """One comparison of a family: the difference (candidate − baseline, over the seeds where both have a
+    number), the seeds that diverged in the candidate only / the baseline only, its p-values raw and after
+    Holm's adjustment across the family (`P_KEYS`), the verdict and the same rule on the sign-flip p-values
+    (`verdict_perm`), and the power and minimum detectable effect at `level` = α/k, the level the family's
+    smallest p must beat."""
 
-    With no seed that diverged in one arm only, the metric decides (`d` is over the seeds where both arms have
-    a number). Otherwise a divergence is a difference the metric's interval cannot see, so: when the exact test
-    on the discordant seeds rejects, the arm that diverges less is BETTER (a diverged run is worse than any run
-    that trained) — unless the metric significantly says the opposite, which is INCONCLUSIVE; when it does not
-    reject, INCONCLUSIVE (never EQUIVALENT: one arm diverged where the other did not)."""
-    metric = _metric_verdict(d, p_diff, p_equiv, better, alpha)
-    only_candidate, only_baseline = discordant
-    if only_candidate + only_baseline == 0:
-        return metric
-    if math.isnan(p_outcome) or p_outcome >= alpha:
-        return INCONCLUSIVE
-    by_outcome = _direction(only_candidate < only_baseline)
-    return by_outcome if metric in (by_outcome, EQUIVALENT, INCONCLUSIVE) else INCONCLUSIVE
+    difference: Estimate
+    margin: float | None
+    p: dict[str, float]
+    p_adjusted: dict[str, float]
+    verdict: str
+    verdict_perm: str
+    direction: float
+    discordant: tuple[int, int] = (0, 0)
+    level: float = ALPHA
+    power: float = math.nan  # at a true effect of one margin (equivalence claim: at a true difference of 0)
+    mde: float = math.nan  # the smallest effect detected with 80% power at `level`
+
+    @property
+    def disagree(self) -> bool:
+        """The t-test and its distribution-free twin give different verdicts (flag it: normality decided)."""
+        return not math.isnan(self.p["difference_perm"]) and self.verdict != self.verdict_perm
 
 
-def judge_family(differences: Mapping[str, Estimate], margin: float | None, better: str = "lower",
-                 alpha: float = ALPHA, discordant: Mapping[str, tuple[int, int]] | None = None
-                 ) -> dict[str, Judgement]:
-    """The four-way verdict of each difference (candidate − baseline) against ±`margin`, Holm-adjusted across
-    the family. `better`: "lower" (a loss) or "higher" (an accuracy) — which sign of the difference is good.
-    `margin` None: no equivalence test (the verdict is BETTER, WORSE or INCONCLUSIVE).
-    `discordant`: per comparison, (seeds whose run diverged in the candidate only, in the baseline only), for
-    paired arms; their McNemar exact p-values form a third family, Holm-adjusted over the comparisons that have
-    a discordant seed (one with none cannot reject, so it does not count towards k — Tarone 1990)."""
+def judge_family(differences: Mapping[str, Estimate], margin: float | None | Mapping[str, float | None],
+                 better: str = "lower", alpha: float = ALPHA, discordant: Mapping[str, tuple[int, int]] | None = None,
+                 equivalence_claim: bool | Mapping[str, bool] = False) -> dict[str, Judgement]:
+    """The four-way verdict of each difference (candidate − baseline) of one family against ±`margin`, each
+    p-value Holm-adjusted across the family (`P_KEYS` separately). `better`: "lower" (a loss) or "higher" (an
+    accuracy). `margin` None: no equivalence test. `discordant`: per comparison, (seeds whose run diverged in
+    the candidate only, in the baseline only) — see `p_values`. `equivalence_claim`: the question is whether
+    the arms are the same (the "difference" p tests |d| > margin; power is the equivalence test's). `margin`
+    and `equivalence_claim` may be given per comparison (a mapping by name)."""
     if better not in ("lower", "higher"):
         raise ValueError(f"better={better!r} must be 'lower' or 'higher'")
-    if margin is not None and not margin > 0:
-        raise ValueError(f"margin={margin!r} must be > 0 (the smallest difference that matters)")
     names = list(differences)
-    counts = [(discordant or {}).get(n, (0, 0)) for n in names]
-    p_diff = [differences[n].p_value() for n in names]
-    p_equiv = [math.nan if margin is None else differences[n].p_equivalent(margin) for n in names]
-    p_out = [outcome_test(0, 0, 0, 0, discordant=c) if sum(c) else math.nan for c in counts]
-    adj_diff, adj_equiv, adj_out = holm(p_diff), holm(p_equiv), holm(p_out)
-    return {n: Judgement(differences[n], margin, p_diff[i], p_equiv[i], adj_diff[i], adj_equiv[i],
-                         comparison_verdict(differences[n], adj_diff[i], adj_equiv[i], better, alpha, counts[i],
-                                            adj_out[i]),
-                         counts[i], p_out[i], adj_out[i])
-            for i, n in enumerate(names)}
+    margins = {n: margin.get(n) if isinstance(margin, Mapping) else margin for n in names}
+    same = {n: bool(equivalence_claim.get(n)) if isinstance(equivalence_claim, Mapping) else equivalence_claim
+            for n in names}
+    for m in margins.values():
+        if m is not None and not m > 0:
+            raise ValueError(f"margin={m!r} must be > 0 (the smallest difference that matters)")
+    counts = {n: (discordant or {}).get(n, (0, 0)) for n in names}
+    raw = {n: p_values(differences[n], margins[n], counts[n], same[n]) for n in names}
+    adjusted = {n: {} for n in names}
+    for key in P_KEYS:
+        for name, q in zip(names, holm([raw[n][0][key] for n in names]), strict=True):
+            adjusted[name][key] = q
+    level = alpha / max(1, sum(not math.isnan(raw[n][0]["difference"]) for n in names))
+    out = {}
+    for n in names:
+        d, (p, direction), q = differences[n], raw[n], adjusted[n]
+        power = power_at(d, margins[n], level, same[n]) if margins[n] else math.nan
+        out[n] = Judgement(d, margins[n], p, q, comparison_verdict(direction, q["difference"], q["equivalence"], better,
+                                                               alpha),
+                           comparison_verdict(direction, q["difference_perm"], q["equivalence_perm"], better, alpha),
+                           direction, counts[n], level, power, min_detectable(d, level))
+    return out
 
 
 def judge(difference_: Estimate, margin: float | None, better: str = "lower", alpha: float = ALPHA,
-          discordant: tuple[int, int] = (0, 0)) -> Judgement:
+          discordant: tuple[int, int] = (0, 0), equivalence_claim: bool = False) -> Judgement:
     """`judge_family` of a single comparison: EQUIVALENT exactly when the (1−α) interval is inside ±margin,
     BETTER/WORSE when it excludes 0."""
-    return judge_family({"_": difference_}, margin, better, alpha, {"_": discordant})["_"]
+    return judge_family({"_": difference_}, margin, better, alpha, {"_": discordant}, equivalence_claim)["_"]
 
 
 def no_estimate(n: int = 0) -> Estimate:
@@ -288,84 +426,92 @@ def no_estimate(n: int = 0) -> Estimate:
     return Estimate(math.nan, math.nan, n, math.nan, math.nan, math.nan, 0.0)
 
 
-def outcome_test(bad_a: int, n_a: int, bad_b: int, n_b: int, discordant: tuple[int, int] | None = None) -> float:
-    """Two-sided exact p-value that two arms have the same rate of a bad outcome (diverged, stalled):
-    Fisher's exact test on the 2×2 counts; for paired arms, give `discordant` = (seeds bad only in a, seeds bad
-    only in b) and get McNemar's exact test (a binomial test on the discordant pairs) instead."""
-    if discordant is not None:
-        only_a, only_b = discordant
-        if only_a + only_b == 0:
-            return 1.0
-        return float(_scipy.binomtest(only_a, only_a + only_b, 0.5).pvalue)
-    table = [[bad_a, n_a - bad_a], [bad_b, n_b - bad_b]]
-    return float(_scipy.fisher_exact(table).pvalue)
-
-
 STALL_NATS = 0.1  # progress over the last 80% of steps below which a run "stalled"
 
 
-def training_outcome(losses: Sequence[float], diverged: bool = False) -> str:
-    """A run's outcome from its training losses in step order (the study's definition):
-    "diverged" — `diverged` (the loss became non-finite and training stopped), a non-finite loss, or a mean over
-    the last 10% of the losses above the first one; "stalled" — less than STALL_NATS of progress from the best of
-    the first 20% to that tail mean; else "trains"."""
+def training_outcome(losses: Sequence[float], diverged: bool = False, final_loss: float | None = None) -> str:
+    """A run's outcome from its training losses in step order, the first one at initialization (the study's
+    and the sweeps' one definition):
+    "diverged" — `diverged` (the loss became non-finite and training stopped), a non-finite loss, a mean over
+    the last 10% of the losses above the first one, or a held-out `final_loss` (when the metric is a loss)
+    above the first one — no better than not training; "stalled" — less than STALL_NATS of progress from the
+    best of the first 20% to that tail mean; else "trains"."""
     if diverged or not losses:
         return "diverged"
     tail = losses[-max(1, len(losses) // 10):]
     end = sum(tail) / len(tail)
     if not all(math.isfinite(x) for x in losses) or end > losses[0]:
         return "diverged"
+    if final_loss is not None and final_loss > losses[0]:
+        return "diverged"
     early = min(losses[: max(1, len(losses) // 5)])
     return "stalled" if early - end < STALL_NATS else "trains"
 
 
-def lr_sensitivity(final_by_lr: Mapping[float, float], initial_loss: float) -> float:
-    """Wortsman et al. 2023's learning-rate sensitivity of one configuration: the mean over the LR grid of
-    min(final loss, initial loss) − the best final loss. A diverged run (non-finite loss) counts as the loss at
-    initialization — no better than not training — so a configuration that diverges over much of the grid is
-    sensitive, and one whose loss is flat across the grid scores 0."""
+def initial_loss_cap(initial_losses: Sequence[float]) -> float:
+    """The loss a diverged run counts as in the learning-rate statistics: the loss at initialization (step 0,
+    before any update) — no better than not training. Given the step-0 losses of the runs compared at one seed
+    (the same weights and first batch at every LR, so equal up to nondeterminism), their median; +inf when
+    none is known."""
+    finite = [x for x in initial_losses if math.isfinite(x)]
+    return statistics.median(finite) if finite else math.inf
+
+
+def capped_loss(loss: float, cap: float) -> float:
+    """A final loss as the learning-rate statistics count it: no worse than `cap` (`initial_loss_cap`), which is
+    also what a diverged run (a non-finite loss) counts as."""
+    return min(loss, cap) if math.isfinite(loss) else cap
+
+
+def lr_sensitivity(final_by_lr: Mapping[float, float], cap: float) -> float:
+    """Wortsman et al. 2023's learning-rate sensitivity of one configuration at one seed: the mean over the LR
+    grid of the capped final loss (`capped_loss`) minus the best of them. A configuration that diverges over
+    much of the grid is sensitive; one whose loss is flat across the grid scores 0."""
     if not final_by_lr:
         raise ValueError("lr_sensitivity needs at least one learning rate")
-    capped = [capped_loss(x, initial_loss) for x in final_by_lr.values()]
+    capped = [capped_loss(x, cap) for x in final_by_lr.values()]
     return statistics.fmean(capped) - min(capped)
 
 
-def capped_loss(loss: float, initial_loss: float) -> float:
-    """A final loss as LR sensitivity counts it: no worse than the loss at initialization, which is also what a
-    diverged run (a non-finite loss) counts as."""
-    return min(loss, initial_loss) if math.isfinite(loss) else initial_loss
+def best_index(scores: Sequence[float], mode: str = "min") -> int:
+    """The best learning rate of a grid: the index of the lowest (mode "min") or highest ("max") score, each
+    score the mean over seeds of the capped final metric; NaN scores are skipped, ties go to the first."""
+    if mode not in ("min", "max"):
+        raise ValueError(f"mode={mode!r} must be 'min' or 'max'")
+    valid = [i for i, x in enumerate(scores) if not math.isnan(x)]
+    if not valid:
+        raise ValueError("best_index needs at least one score that is a number")
+    sign = 1.0 if mode == "min" else -1.0
+    return min(valid, key=lambda i: sign * scores[i])
 
 
-def verdict(est: Estimate, kind: str, threshold: float = 0.0, tolerance: float = 0.0) -> str:
-    """A claim's threshold test: PASS / FAIL / INCONCLUSIVE of `est` against `threshold` under `kind`.
-    - `greater` (the claim: statistic > threshold): PASS when the whole interval lies above it, FAIL when the whole
-      interval lies below it, INCONCLUSIVE when the interval contains it;
-    - `less`: the mirror image;
-    - `equivalent` (the claim: |statistic| < margin): PASS when the interval lies inside (−margin, margin), FAIL when
-      it lies wholly outside, INCONCLUSIVE otherwise;
-    - `exact`: a deterministic quantity (one sample, no noise), PASS when |value − threshold| ≤ tolerance.
-    An infinite estimate (a diverged run) is judged like any large value; NaN is INCONCLUSIVE."""
-    if kind not in KINDS or kind == "report":
-        raise ValueError(f"verdict kind {kind!r} is not one of {KINDS[:-1]}")
-    if math.isnan(est.lo) or math.isnan(est.hi):
-        return INCONCLUSIVE
-    if kind == "exact":
-        return PASS if abs(est.mean - threshold) <= tolerance else FAIL
-    if kind == "greater":
-        return PASS if est.lo > threshold else FAIL if est.hi < threshold else INCONCLUSIVE
-    if kind == "less":
-        return PASS if est.hi < threshold else FAIL if est.lo > threshold else INCONCLUSIVE
-    margin = abs(threshold)
-    if -margin < est.lo and est.hi < margin:
-        return PASS
-    return FAIL if est.lo >= margin or est.hi <= -margin else INCONCLUSIVE
+def crossfit_best(per_lr: Sequence[Sequence[float]], mode: str = "min") -> list[float]:
+    """Per seed, the capped final metric at the best learning rate chosen on the *other* seeds (leave one seed
+    out): the value at "its own best LR" without the optimism of choosing the LR on the same runs it is read
+    from. `per_lr` [LR][seed]; one seed alone keeps its own choice."""
+    values = np.asarray(per_lr, dtype=float)
+    n = values.shape[1]
+    out = []
+    for s in range(n):
+        others = values[:, [i for i in range(n) if i != s]] if n > 1 else values
+        out.append(float(values[best_index(list(others.mean(axis=1)), mode), s]))
+    return out
 
 
-def combine(verdicts: Sequence[str]) -> str:
-    """A claim's verdict from its tests': PASS if all pass, FAIL if any fails, else INCONCLUSIVE."""
-    if verdicts and all(v == PASS for v in verdicts):
-        return PASS
-    return FAIL if FAIL in verdicts else INCONCLUSIVE
+def best_lr_bootstrap(per_lr_a: Sequence[Sequence[float]], per_lr_b: Sequence[Sequence[float]],
+                      mode: str = "min", confidence: float = 0.95, resamples: int = 4000,
+                      seed: int = 0) -> tuple[float, float]:
+    """A percentile bootstrap interval of "a at its best LR − b at its best LR" over paired seeds (`per_lr_*`
+    [LR][seed], the same seeds), the best LR chosen again in every resample — so the interval carries the
+    uncertainty of the choice itself."""
+    a, b = np.asarray(per_lr_a, dtype=float), np.asarray(per_lr_b, dtype=float)
+    n = a.shape[1]
+    draws = np.random.default_rng(seed).integers(0, n, size=(resamples, n))
+    pick = np.argmin if mode == "min" else np.argmax
+    best = [x[:, draws] for x in (a, b)]  # [LR, resample, seed]
+    diff = [np.take_along_axis(m.mean(axis=2), pick(m.mean(axis=2), axis=0)[None], axis=0)[0] for m in best]
+    lo, hi = np.quantile(diff[0] - diff[1], [(1 - confidence) / 2, (1 + confidence) / 2])
+    return float(lo), float(hi)
 
 
 def slope(xs: Sequence[float], ys: Sequence[float]) -> float:

@@ -14,10 +14,11 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from data.atomic import write_text_atomic
 
 MANIFEST = "manifest.json"
 HASH = "sha256"  # faster than blake2b here (hashlib on OpenSSL with SHA extensions), and what the other hashes use
@@ -27,16 +28,6 @@ _CHUNK = 1 << 20
 class CheckpointError(ValueError):
     """A checkpoint that is missing, incomplete, unreadable or does not fit this run; the message names the path
     and the fix."""
-
-
-def write_text_atomic(path: Path, text: str) -> None:
-    """Write via a temporary file, fsync and rename, so a reader never sees half a file."""
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 @dataclass(frozen=True, kw_only=True)

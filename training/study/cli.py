@@ -11,14 +11,16 @@ from pathlib import Path
 
 import torch
 
+from data.atomic import atomic_write
 from data.prepare import ensure_default_corpus
 from training.errors import UserError
 from training.study.claims import CLAIMS, Claim, select
 from training.study.grid import SCALES, Arch, AtInit, Scale, Train
-from training.study.judge import Context, judge_all
+from training.study.judge import judge_all
 from training.study.plots import plot
 from training.study.report import write_csvs, write_report, write_results
 from training.study.runner import load_data, main_process_measurements, plan, roles_of, run_jobs
+from training.study.statistics import Context
 
 log = logging.getLogger(__name__)
 
@@ -83,9 +85,8 @@ _SAFE = [Scale, Train, AtInit, Arch]
 
 
 def save_measurements(path: Path, doc: dict) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    torch.save(doc, tmp)
-    tmp.replace(path)
+    with atomic_write(path, "wb") as f:
+        torch.save(doc, f)
 
 
 def load_measurements(path: Path) -> dict:

@@ -32,6 +32,7 @@ class Scale:
     xiong_depths: tuple[int, ...]  # claims 5 and 13 (the first is Xiong et al.'s 6)
     lrs: tuple[float, ...]  # claim 6's QK-norm sweep; lrs[0] is the base learning rate of every other run
     post_lrs: tuple[float, ...]  # claims 4, 14-16: post- vs pre-LN; the last is the "high" LR
+    high_post_lrs: tuple[float, ...]  # claim 16e: the same at 10% warm-up on a grid that reaches pre-LN's failure
     warmups: tuple[float, ...]  # warm-up lengths, fractions of the run (claims 14-16); warmups[1] is the default
     nonorm_lrs: tuple[float, ...]  # claim 17: the no-norm model's LR sweep
     placement_lrs: tuple[float, ...]  # claim 10: pre / sandwich / output
@@ -63,14 +64,16 @@ class Scale:
 SCALES = {
     "default": Scale(dim=64, n_heads=4, seq_len=64, batch_size=8, shallow=6, mid=12, deep=24, steps=200,
                      deep_steps=150, long_steps=1000, xiong_depths=(6, 12, 24), lrs=(3e-3, 1e-2, 3e-2, 0.1, 0.3),
-                     post_lrs=(1e-3, 3e-3, 1e-2), warmups=(0.0, 0.1, 0.3), nonorm_lrs=(1e-4, 3e-4, 1e-3, 3e-3),
+                     post_lrs=(1e-3, 3e-3, 1e-2), high_post_lrs=(1e-3, 3e-3, 1e-2, 3e-2, 0.1),
+                     warmups=(0.0, 0.1, 0.3), nonorm_lrs=(1e-4, 3e-4, 1e-3, 3e-3),
                      placement_lrs=(3e-3, 3e-2, 0.1), widths=(64, 128, 256), ladder_widths=(64, 128, 256, 512),
                      ladder_depths=(6, 12, 24, 48), init_stds=(0.02, 0.08, 0.125), seeds=6, init_seeds=10,
                      ladder_seeds=5),
     # A smoke test of the whole pipeline: too few seeds and steps for its verdicts to mean anything.
     "quick": Scale(dim=32, n_heads=2, seq_len=32, batch_size=4, shallow=2, mid=3, deep=4, steps=10, deep_steps=10,
                    long_steps=12, xiong_depths=(2, 4), lrs=(3e-3, 3e-2), post_lrs=(1e-2,),
-                   warmups=(0.0, 0.1, 0.3), nonorm_lrs=(3e-4, 3e-3), placement_lrs=(0.1,), widths=(32, 40, 48),
+                   high_post_lrs=(1e-2, 0.1), warmups=(0.0, 0.1, 0.3), nonorm_lrs=(3e-4, 3e-3), placement_lrs=(0.1,),
+                   widths=(32, 40, 48),
                    ladder_widths=(32, 48), ladder_depths=(2, 4), init_stds=(0.02, 0.08, 32 ** -0.5), seeds=2,
                    init_seeds=2, ladder_seeds=2, vocab_size=512, val_batches=2, timing_rounds=3, wide_dim=64),
 }
@@ -158,9 +161,10 @@ def train(scale: Scale, arch: Arch, lr: float | None = None, warmup: float | Non
     return Train(arch, scale.lr if lr is None else lr, steps, scale.warmup if warmup is None else warmup, **fields)
 
 
-def long_run(scale: Scale) -> Train:
-    """The long deep run (claims 1 and 2): pre-norm RMSNorm at the deep arm's depth, with block ablation."""
-    return Train(deep(scale), scale.lr, scale.long_steps, scale.warmup, ablate=True)
+def long_run(scale: Scale, placement: str = "pre") -> Train:
+    """The long deep run (claims 1 and 2): RMSNorm (pre-norm, or claim 2's sandwich control) at the deep arm's
+    depth, with block ablation."""
+    return Train(deep(scale, placement=placement), scale.lr, scale.long_steps, scale.warmup, ablate=True)
 
 
 def xiong(scale: Scale, placement: str, layers: int | None = None, **fields) -> Arch:

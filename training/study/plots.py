@@ -1,5 +1,5 @@
-"""The study's plots: each shows its claim's own statistic, the mean over seeds with a ±1 sd band, labelled
-axes with units. Written with matplotlib's Agg backend (no display)."""
+"""The study's plots: each shows its claim's own statistic, the mean over seeds with a band from the lowest to
+the highest seed (`training.plotting.band`, the sweeps' convention too), labelled axes with units."""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
@@ -7,27 +7,11 @@ from pathlib import Path
 
 import numpy as np
 
-from training.study.judge import Context, capped_final_loss, probes, stream_profile
+from training.plotting import band, pyplot, save_figure
 from training.study.measure import final_loss
+from training.study.statistics import Context, capped_final_loss, probes, stream_profile
 
 SMOOTH = 10  # steps of the moving average over training losses
-
-
-def _plt():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def band(ax, x: Sequence[float], per_seed: Sequence[Sequence[float]], label: str, **kw) -> None:
-    """Mean over seeds with a ±1 sd band."""
-    ys = np.asarray(per_seed, dtype=float)
-    mean, sd = ys.mean(0), ys.std(0, ddof=1) if len(ys) > 1 else np.zeros(ys.shape[1])
-    (line,) = ax.plot(x, mean, label=f"{label} (n={len(ys)})", **kw)
-    ax.fill_between(x, mean - sd, mean + sd, color=line.get_color(), alpha=0.2, lw=0)
 
 
 def smooth(losses: Sequence[float]) -> np.ndarray:
@@ -55,7 +39,7 @@ def _profile(ctx: Context, role: str, key: Callable[[dict, int], list[float]]) -
 
 def _lr_curve(ax, ctx: Context, family: str, label: str, stat=None, **kw) -> None:
     """Per seed, a statistic (default: the held-out loss, a diverged run at its loss at init) across the
-    family's learning rates, as a mean ± sd band."""
+    family's learning rates, as a band over seeds."""
     roles = ctx.family(family)
     lrs = [ctx.roles[r].lr for r in roles]
     stat = stat or (lambda r, spec: capped_final_loss(r))
@@ -214,13 +198,10 @@ def plot(number: int, ctx: Context, out: Path) -> str | None:
     if number not in PLOTS:
         return None
     name, draw = PLOTS[number]
-    plt = _plt()
+    plt = pyplot()
     panels = 2
     fig, axes = plt.subplots(1, panels, figsize=(5.5 * panels, 4), squeeze=False)
     draw(ctx, list(axes[0]))
     fig.tight_layout()
-    tmp = out / f".{name}.tmp.png"
-    fig.savefig(tmp, dpi=100)
-    plt.close(fig)
-    tmp.replace(out / name)
+    save_figure(fig, out / name, dpi=100)
     return name

@@ -10,12 +10,13 @@ import statistics
 from collections import Counter
 from pathlib import Path
 
-from training.checkpointing.layout import write_text_atomic
+from data.atomic import write_text_atomic
 from training.stats import ALPHA, estimate
 from training.study.claims import MECHANISM, PRIMARY, REPORT, REVISIONS, SECONDARY, Claim
 from training.study.grid import AtInit, Scale, Train
-from training.study.judge import STATISTICS, Context, Outcome, best_lr_index
+from training.study.judge import Outcome
 from training.study.measure import final_loss, outcome
+from training.study.statistics import STATISTICS, Context, best_lr_index
 
 TIER_LABEL = {PRIMARY: "primary", SECONDARY: "secondary", MECHANISM: "mechanism check", REPORT: "report"}
 
@@ -200,14 +201,15 @@ def _margin(o: Outcome) -> str:
 
 
 def claim_section(claim: Claim, verdict: str, outcomes: list[Outcome], ctx: Context, plot: str | None) -> list[str]:
-    lines = [f"## {claim.number}. {claim.title} — **{verdict}**", "", f"Source: {claim.source}."]
-    if claim.limits:
-        lines += ["", f"Limits of this setup (stated before the run): {claim.limits}"]
-    lines += ["", "| test | kind | margin | verdict | estimate [95% CI] | numbers | per seed |",
-              "|---|---|---|---|---|---|---|"]
+    lines = [f"## {claim.number}. {claim.title} — **{verdict}**", "", f"Source: {claim.source}.", "",
+             f"Evidence of: {claim.evidence}. Limits: {claim.limits}", "",
+             "| test | kind | margin | verdict | estimate [95% CI] | p: t / sign-flip | numbers | per seed |",
+             "|---|---|---|---|---|---|---|---|"]
     for o in outcomes:
+        key = "difference" if o.test.kind != "equivalent" else "equivalence"
+        ps = f"{_p(o.p.get(key))} / {_p(o.p.get(key + '_perm'))}" if o.judgement else "—"
         lines.append(f"| {o.test.id}: {_cell(o.test.text)} | {TIER_LABEL[o.test.tier]} | {_margin(o)} | "
-                     f"**{o.verdict}** | {_ci(o.shown)} | {o.numbers()} | {_per_seed(o)} |")
+                     f"**{o.verdict}**{_flags(o)} | {_ci(o.shown)} | {ps} | {o.numbers()} | {_per_seed(o)} |")
     if claim.number == 9 and "toy" in ctx.extra:
         toy = ctx.extra["toy"]
         lines += ["", "Toy, RMS seen by layer (no norm / with norm): "
@@ -220,8 +222,8 @@ def claim_section(claim: Claim, verdict: str, outcomes: list[Outcome], ctx: Cont
                       if v and all(math.isfinite(x) for x in v)) + "."]
     best = _best_lrs(ctx)
     if best:
-        lines += ["", "Best LR per arm (lowest mean held-out loss over seeds; a diverged run counts as the loss at "
-                  "init): " + "; ".join(best) + "."]
+        lines += ["", "Best LR per arm (lowest mean held-out loss over all seeds; a diverged run counts as the loss "
+                  "at init; the tests read each seed at the LR chosen on the other seeds): " + "; ".join(best) + "."]
     trend = _trend(claim, ctx)
     if trend:
         lines += [""] + trend
@@ -243,73 +245,108 @@ def _iqr(v: list[float]) -> str:
     return f"{q[0]:.3f}–{q[2]:.3f}"
 
 
+def _p(x: float | None) -> str:
+    return "—" if x is None or math.isnan(x) else f"{x:.2g}"
+
+
+def _flags(o: Outcome) -> str:
+    """† the effect is shown but its interval reaches inside the margin; ‡ the sign-flip test disagrees."""
+    flags = ""
+    if o.verdict == "PASS" and o.test.margin and o.test.kind != "equivalent" and \
+            abs(o.shown.lo if o.shown.mean > 0 else o.shown.hi) < o.test.margin:
+        flags += " †"
+    return flags + (" ‡" if o.disagree else "")
+
+
 def summary_rows(judged: list) -> list[str]:
-    rows = ["| claim | primary test | margin | verdict | effect [95% CI] | power at the margin | MDE (80%) |",
-            "|---|---|---|---|---|---|---|"]
+    """One row per primary test (the claim's verdict on its first row)."""
+    rows = ["| claim | evidence of | primary test | margin | verdict | effect [95% CI] | p (t / sign-flip) | "
+            "q (BH), verdict at FDR 5% | power at the margin | MDE (80%) |", "|---" * 10 + "|"]
     for claim, verdict, outcomes, _, _ in judged:
-        o = next(x for x in outcomes if x.test.tier == PRIMARY)
-        power = "—" if math.isnan(o.power) else f"{o.power:.0%}"
-        if verdict == "PASS" and o.test.margin and abs(o.shown.lo if o.shown.mean > 0 else o.shown.hi) < o.test.margin:
-            verdict += " †"
-        mde = "—" if math.isnan(o.mde) else f"{o.mde:.3g}"
-        rows.append(f"| {claim.number}. {claim.title} | {o.test.id}: {_cell(o.test.text)} | {_margin(o)} | "
-                    f"**{verdict}** | {_ci(o.shown)} | {power} | {mde} |")
+        for i, o in enumerate(x for x in outcomes if x.test.tier == PRIMARY):
+            key = "difference" if o.test.kind != "equivalent" else "equivalence"
+            power = "—" if math.isnan(o.power) else f"{o.power:.0%}"
+            mde = "—" if math.isnan(o.mde) else f"{o.mde:.3g}"
+            perm = key + "_perm"
+            head = f"{claim.number}. {claim.title}" if i == 0 else ""
+            shown = f"**{verdict}**{_flags(o)}" if i == 0 else f"{o.verdict}{_flags(o)}"
+            rows.append(f"| {head} | {claim.evidence if i == 0 else ''} | {o.test.id}: {_cell(o.test.text)} | "
+                        f"{_margin(o)} | {shown} | {_ci(o.shown)} | {_p(o.p.get(key))} / {_p(o.p.get(perm))} | "
+                        f"{_p(o.q.get(key))}, {o.verdict_bh} | {power} | {mde} |")
     return rows
+
+
+SUMMARY = (
+    "Each claim is its own family: its verdict is that of its primary test (with several primaries, Holm's "
+    "adjustment across them, and PASS only when all pass), so it is the same whether the claim runs alone or with "
+    "the others, and the chance of a false verdict on any one claim stays ≤ α = 0.05. Across the claims the "
+    "scorecard adds Benjamini–Hochberg q-values and the verdict they give: rejecting where q < 0.05 keeps the "
+    "expected share of false findings in the table ≤ 5%. Effects are paired per-seed differences (or one arm's "
+    "statistic, read against the threshold in the margin column) with a 95% t-interval; p: the t-test (for an "
+    "equivalence claim, TOST) and its distribution-free twin, the exact sign-flip permutation test of the same "
+    "per-seed differences (the smallest two-sided p with n seeds is 2/2ⁿ). Power: the chance the test rejects "
+    "at a true effect of one margin (for an equivalence claim: that it shows equivalence at a true difference "
+    "of 0), from the observed spread, at the level the verdict uses (α/k for k primaries). MDE: the smallest "
+    "effect detected with 80% power at that level, this n and spread. †: the effect is shown to exist, but its "
+    "interval reaches inside the margin, so it may be smaller than matters. ‡: the sign-flip test gives another "
+    "verdict: the t-test's rests on normal tails. 'Evidence of': finding (about normalization at this scale), "
+    "limit (of this setup: horizon, size), construction (holds by design), implementation (of normlab's kernels "
+    "or this machine).")
+
+RULES = (
+    "Each test has a margin, the smallest effect of interest, fixed in `training/study/claims.py` before the "
+    "run: 0.05 nats for losses and LR sensitivity, log 1.25 for logs of ratios, 0.1 for log-log slopes, 5% "
+    "for timing.",
+    "A directional claim (the effect is > 0, or < 0) is **PASS** when the 95% interval excludes 0 on the "
+    "claimed side, **FAIL** when it excludes 0 on the other side, **EQUIVALENT** when the interval lies inside "
+    "±margin (a measured null: no effect of the size that matters; this takes precedence), else "
+    "**INCONCLUSIVE**. A claim that nothing changes is PASS when the interval lies inside ±margin and FAIL "
+    "when the effect is shown to exceed it. Each side is tested at α = 0.025 (two-sided 0.05).",
+    "The claim's verdict is its primary tests'; secondary tests are judged alone and reported; mechanism "
+    "checks hold by construction and judge nothing; report rows have no verdict.",
+    "Multiplicity: Holm's step-down adjustment runs within each claim, across its primaries, separately for "
+    "the difference and the equivalence tests (at most one of the two nulls is true for a comparison, so a "
+    "verdict is false with probability ≤ α). Across claims, only the q-values (Benjamini–Hochberg) speak; "
+    "running more claims never changes a verdict.",
+    "A run that diverged (a non-finite loss) is an outcome, not a number, and is worse than any run that "
+    "trained. With seeds where only one arm diverged, the difference test is the exact sign-flip test of the "
+    "signed ranks of every seed's difference, a diverged run ranking worst: agreeing evidence from the seeds "
+    "that diverged and those that trained adds up, and EQUIVALENT is impossible; the interval shown is over "
+    "the seeds where both trained. Where a statistic needs every run (LR sensitivity, best LR), a diverged run "
+    "counts as the seed's loss at initialization. Outcome per run: 'diverged' (non-finite, or ending, in "
+    "training or held out, above the first step's loss), 'stalled' (< 0.1 nats of progress over the last 80% "
+    "of steps), else 'trains'.",
+    "'At its own best LR' is cross-fitted: each seed's value is read at the LR with the lowest mean capped "
+    "held-out loss over the *other* seeds, so choosing the LR does not flatter the arm; beside it, a bootstrap "
+    "interval that chooses the LR again in every resample.",
+    "'Reading' lines are measurements of this run unless they say 'Hypothesis'.",
+)
+
+
+def _setup(scale: Scale, header: dict) -> str:
+    return (f"Model: dim {scale.dim}, {scale.n_heads} heads, seq {scale.seq_len}, batch {scale.batch_size}, vocab "
+            f"{header['vocab_size']} (the default corpus); {scale.shallow} layers ({scale.steps} steps) for the "
+            f"ordinary runs, {scale.mid} layers ({scale.steps} steps) for post- vs pre-LN, {scale.deep} layers "
+            f"({scale.deep_steps} steps) for the deep arm and {scale.long_steps} steps for its long run. AdamW (β "
+            "0.9/0.95, weight decay 0.1 except norms, biases, embeddings), warm-up 10% of steps unless stated, "
+            f"cosine to lr/10, clip 1.0 unless 'no-clip', fp32. Base lr {scale.lr:g}. {scale.seeds} seeds per "
+            f"trained configuration, {scale.init_seeds} per at-init measurement, {scale.ladder_seeds} per ladder "
+            "cell. A seed sets the initialization and the order of the training batches, so arms compared at one "
+            "seed share both (a paired design). Every trained run is scored on the same "
+            f"{scale.val_batches} held-out batches: 'held-out loss' below.")
 
 
 def write_report(out: Path, scale: Scale, judged: list, header: dict) -> None:
     """report.md: the summary table first, then the setup and rules, the revisions, one section per claim."""
-    n_primary = len(judged)
     lines = [
         "# The normalization study", "",
         f"`{header['command']}` — {header['jobs']} job(s) (trained runs and at-init measurements), "
         f"{header['minutes']:.1f} minutes wall time on {header['machine']}; load average "
         f"{header['load_before']} before and {header['load_after']} after the run.", "",
-        "## Summary", "",
-        f"One primary test per claim; verdicts after Holm's adjustment across the {n_primary} primaries. "
-        "Effects are paired per-seed differences (or one arm's statistic, read against the threshold in the margin "
-        "column) with a 95% "
-        "t-interval. Power: the chance this test rejects at a true effect of one margin (for an equivalence claim: "
-        "that it shows equivalence at a true difference of 0), from the observed spread, before Holm. MDE: the "
-        "smallest effect detected with 80% power at this n and spread (two-sided α = 0.05, before Holm). †: the "
-        "effect is shown to exist, but its interval reaches inside the margin, so it may be smaller than matters.",
-        "",
-    ] + summary_rows(judged) + [
-        "", "## Setup", "",
-        f"Model: dim {scale.dim}, {scale.n_heads} heads, seq {scale.seq_len}, batch {scale.batch_size}, vocab "
-        f"{header['vocab_size']} (the default corpus); {scale.shallow} layers ({scale.steps} steps) for the "
-        f"ordinary runs, {scale.mid} layers ({scale.steps} steps) for post- vs pre-LN, {scale.deep} layers "
-        f"({scale.deep_steps} steps) for the deep arm and {scale.long_steps} steps for its long run. AdamW (β "
-        "0.9/0.95, weight decay 0.1 except norms, biases, embeddings), warm-up 10% of steps unless stated, cosine "
-        f"to lr/10, clip 1.0 unless 'no-clip', fp32. Base lr {scale.lr:g}. {scale.seeds} seeds per trained "
-        f"configuration, {scale.init_seeds} per at-init measurement, {scale.ladder_seeds} per ladder cell. A seed "
-        "sets the initialization and the order of the training batches, so arms compared at one seed share both "
-        "(a paired design). Every trained run is scored on the same "
-        f"{scale.val_batches} held-out batches: 'held-out loss' below.", "",
-        "## Verdict rules", "",
-        "- Each test has a margin, the smallest effect of interest, fixed in `training/study/claims.py` before the "
-        "run: 0.05 nats for losses and LR sensitivity, log 1.25 for logs of ratios, 0.1 for log-log slopes, 5% "
-        "for timing.",
-        "- A directional claim (the effect is > 0, or < 0) is **PASS** when the 95% interval excludes 0 on the "
-        "claimed side, **FAIL** when it excludes 0 on the other side, **EQUIVALENT** when the interval lies inside "
-        "±margin (a measured null: no effect of the size that matters; this takes precedence), else "
-        "**INCONCLUSIVE**. A claim that nothing changes is PASS when the interval lies inside ±margin and FAIL "
-        "when the effect is shown to exceed it. Each side is tested at α = 0.025 (two-sided 0.05).",
-        "- The claim's verdict is its primary test's; secondary tests are judged alone and reported; mechanism "
-        "checks hold by construction and judge nothing; report rows have no verdict.",
-        "- Holm's step-down adjustment runs across the primaries, in three families: the difference tests, the "
-        "equivalence tests, and the exact tests on divergence.",
-        "- A run that diverged (a non-finite loss) is an outcome, not a number: seeds where only one arm diverged "
-        "are compared with McNemar's exact test, which decides the verdict when it rejects (the arm that diverges "
-        "more is worse) and makes it INCONCLUSIVE when it does not. Where a statistic needs every run (LR "
-        "sensitivity, best LR), a diverged run counts as the loss at initialization. Outcome per run: 'diverged' "
-        "(non-finite, or ending above the first step's loss), 'stalled' (< 0.1 nats of progress over the last 80% "
-        "of steps), else 'trains'.",
-        "- 'Best LR' is chosen from these runs (the lowest mean held-out loss over seeds), the same way for both "
-        "arms.",
-        "- 'Reading' lines are measurements of this run unless they say 'Hypothesis'.", "",
-        "## Tests revised after a run", "",
-    ] + [f"- {r}" for r in REVISIONS] + [""]
+        "## Summary", "", SUMMARY, "", *summary_rows(judged),
+        "", "## Setup", "", _setup(scale, header), "",
+        "## Verdict rules", "", *(f"- {r}" for r in RULES), "",
+        "## Tests revised after a run", "", *(f"- {r}" for r in REVISIONS), ""]
     for claim, verdict, outcomes, ctx, plot in judged:
         lines += claim_section(claim, verdict, outcomes, ctx, plot)
     lines += ["Per-seed measurements: `measurements.csv` (every test's per-seed values) and `runs.csv` (every run)."]
@@ -332,7 +369,9 @@ def write_results(out: Path, judged: list, results: dict, header: dict) -> None:
                     "margin": o.test.margin, "threshold": o.test.threshold, "verdict": o.verdict,
                     "a": _est(o.a), "b": _est(o.b), "diff": _est(o.diff), "welch": _est(o.welch),
                     "p": o.p, "p_adjusted": o.p_adjusted, "discordant": o.discordant, "power": o.power,
-                    "mde": o.mde} for o in outs]}
+                    "mde": o.mde, "level": o.judgement.level if o.judgement else None,
+                    "verdict_sign_flip": o.verdict_perm, "q": o.q, "verdict_fdr": o.verdict_bh,
+                    "bootstrap": o.bootstrap} for o in outs]}
         for c, v, outs, _, _ in judged],
         "runs": [{"label": spec.label(), "kind": "at_init" if isinstance(spec, AtInit) else "train",
                   "seeds": [seed_json(spec, r) for r in runs]} for spec, runs in results.items()]}

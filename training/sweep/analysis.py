@@ -1,8 +1,12 @@
-"""A sweep's statistics from its runs' results (training/sweep/results.py): per cell, each cell against the
-baseline (paired over seeds, Holm across cells), and per learning-rate group (best LR, LR sensitivity).
+"""A sweep's statistics from its runs' results (training/sweep/results.py): per cell, the cells of the spec's
+question against the baseline (paired over seeds, Holm across exactly those cells), and per learning-rate group
+(best LR, LR sensitivity) with each group against the baseline's group (LR sensitivity, and "at its own best
+LR" cross-fitted).
 
-One implementation for the sweep's report and `normlab compare --group_by`; the tests live in
-tests/test_stats.py (the statistics) and tests/test_sweep_report.py (on real runs).
+Every definition (the cap of a diverged run, the LR sensitivity, the best-LR choice, Holm, the divergence
+rule) is training/stats.py's, shared with the study. One implementation for the sweep's report, its `--plan`
+and `normlab compare --group_by`; the tests live in tests/test_stats.py (the statistics) and
+tests/test_sweep_report.py (on real runs).
 """
 from __future__ import annotations
 
@@ -16,8 +20,12 @@ from training.stats import (
     ALPHA,
     Estimate,
     Judgement,
+    best_index,
+    best_lr_bootstrap,
     capped_loss,
+    crossfit_best,
     estimate,
+    initial_loss_cap,
     judge_family,
     lr_sensitivity,
     no_estimate,
@@ -70,26 +78,31 @@ def cells_of(results: Sequence[RunResult]) -> list[Cell]:
 
 @dataclass(frozen=True)
 class Comparison:
-    """A cell against the baseline: the seeds both have a run for, those where both have a number (the paired
-    difference's), and the judgement (training.stats.judge_family)."""
+    """A cell (or an LR group) against the baseline: the seeds both have a run for, those where both have a
+    number (the paired difference's), and the judgement (training.stats.judge_family, Holm across its family).
+    `bootstrap`: for a best-LR comparison, the interval with the best LR chosen again in every resample."""
 
     cell: str
     shared: tuple[Any, ...]
     paired: tuple[Any, ...]
     judgement: Judgement
+    bootstrap: tuple[float, float] | None = None
+    diverged: tuple[int, int] = (0, 0)  # seeds that diverged in this cell only, in the baseline only
 
 
 def compare_to_baseline(cells: Sequence[Cell], baseline: str, margin: float | None, mode: str,
-                        alpha: float = ALPHA) -> list[Comparison]:
-    """Every other cell against `baseline`: the paired difference (cell − baseline) of the final metric over the
-    seeds where both have a number, the seeds that diverged in one arm only, and the verdicts, Holm-adjusted
-    across the cells compared."""
+                        alpha: float = ALPHA, family: Sequence[str] | None = None) -> list[Comparison]:
+    """The cells of `family` (default: every other cell) against `baseline`: the paired difference (cell −
+    baseline) of the final metric over the seeds where both have a number, the seeds that diverged in one arm
+    only (they enter the test as the worst value), and the verdicts, Holm-adjusted across exactly these cells."""
     base = next(c for c in cells if c.name == baseline).by_seed()
+    names = [c.name for c in cells if c.name != baseline] if family is None else list(family)
     diffs: dict[str, Estimate] = {}
     discordant: dict[str, tuple[int, int]] = {}
+    counts: dict[str, tuple[int, int]] = {}
     seeds: dict[str, tuple[tuple, tuple]] = {}
     for cell in cells:
-        if cell.name == baseline:
+        if cell.name not in names:
             continue
         mine = cell.by_seed()
         shared = tuple(s for s in mine if s in base)
@@ -97,35 +110,58 @@ def compare_to_baseline(cells: Sequence[Cell], baseline: str, margin: float | No
         diffs[cell.name] = (paired_difference([mine[s].final for s in paired], [base[s].final for s in paired])
                             if paired else no_estimate())
         diverged = [(mine[s].outcome == "diverged", base[s].outcome == "diverged") for s in shared]
-        discordant[cell.name] = (sum(a and not b for a, b in diverged), sum(b and not a for a, b in diverged))
+        counts[cell.name] = here, there = sum(a and not b for a, b in diverged), sum(b and not a for a, b in diverged)
+        # in the metric's orientation a diverged run is the worse value: the larger one for a loss
+        discordant[cell.name] = (here, there) if mode == "min" else (there, here)
         seeds[cell.name] = (shared, paired)
     judged = judge_family(diffs, margin, "lower" if mode == "min" else "higher", alpha, discordant)
-    return [Comparison(name, *seeds[name], judged[name]) for name in diffs]
+    return [Comparison(name, *seeds[name], judged[name], diverged=counts[name]) for name in diffs]
+
+
+def best_cell(cells: Sequence[Cell], mode: str) -> str | None:
+    """The cell with the best mean final metric (a cell with a diverged run is not a candidate)."""
+    scored = [(c.estimate().mean, c.name) for c in cells if c.estimate() is not None and not c.counts()["diverged"]]
+    if not scored:
+        return None
+    return (min if mode == "min" else max)(scored)[1]
 
 
 @dataclass(frozen=True)
 class LrGroup:
-    """The cells that differ only in the learning rate. `cap`: the initial loss that a diverged run (or a final
-    loss above it) counts as — the median of the group's runs' first logged train/loss; `scores`: per LR, the
-    mean over seeds of the final metric so capped (mode max: a diverged run scores −inf); `best_lr`: the LR
-    with the best score; `sensitivity`: Wortsman et al.'s LR sensitivity over the seeds that have a run at
-    every LR (mode min only)."""
+    """The cells that differ only in the learning rate. `caps`: per seed, the loss a diverged run (or a final
+    loss above it) counts as — `training.stats.initial_loss_cap` of the seed's runs' step-0 losses; `scores`:
+    per LR, the mean over seeds of the final metric so capped (mode max: a diverged run scores −inf);
+    `best_lr`: the LR with the best score; `sensitivity`: Wortsman et al.'s LR sensitivity over the seeds that
+    have a run at every LR (mode min only); `grid`: [LR][seed] the capped values of those seeds, for the
+    between-group comparisons; `late_caps`: seeds whose cap is a loss logged after some updates (the run did not
+    log its step-0 loss)."""
 
     name: str
     cells: dict[float, Cell]
-    cap: float
+    caps: dict[Any, float]
     scores: dict[float, float]
     best_lr: float | None
     sensitivity: Estimate | None
+    grid: dict[Any, list[float]]
+    late_caps: tuple[Any, ...] = ()
 
     @property
     def best(self) -> Cell | None:
         return None if self.best_lr is None else self.cells[self.best_lr]
 
+    @property
+    def unbracketed(self) -> bool:
+        """The best LR is at an end of the grid: the optimum may lie beyond it."""
+        return self.best_lr is not None and len(self.cells) > 1 and self.best_lr in (min(self.cells), max(self.cells))
 
-def _raw(run: RunResult) -> float | None:
-    """A run's final metric, +inf when it diverged, None without one."""
-    return math.inf if run.outcome == "diverged" else run.final if run.has_number else None
+    @property
+    def cap(self) -> float:
+        """The median of the per-seed caps (what the report prints)."""
+        finite = [c for c in self.caps.values() if math.isfinite(c)]
+        return statistics.median(finite) if finite else math.inf
+
+    def per_seed_sensitivity(self) -> dict[Any, float]:
+        return {seed: statistics.fmean(row) - min(row) for seed, row in self.grid.items()}
 
 
 def _scored(run: RunResult, cap: float, mode: str) -> float | None:
@@ -168,23 +204,67 @@ def lr_groups(cells: Sequence[Cell], lr_key: str, axes: Sequence[str], mode: str
     return [_lr_group(name, members, lr_key, mode) for name, members in groups.items()]
 
 
+def _caps(by_lr: dict[float, Cell]) -> tuple[dict[Any, float], tuple[Any, ...]]:
+    """Per seed, the cap from the step-0 losses of the seed's runs (else, for runs that did not log it, from
+    their first logged loss: listed as late)."""
+    seeds = {r.seed for c in by_lr.values() for r in c.included}
+    caps, late = {}, []
+    for seed in seeds:
+        runs = [c.by_seed()[seed] for c in by_lr.values() if seed in c.by_seed()]
+        at_init = [r.initial_loss for r in runs if r.initial_step == 1]
+        if not at_init:
+            at_init = [r.initial_loss for r in runs]
+            late.append(seed)
+        caps[seed] = initial_loss_cap(at_init)
+    return caps, tuple(sorted(late, key=str))
+
+
 def _lr_group(name: str, members: list[Cell], lr_key: str, mode: str) -> LrGroup:
     by_lr = dict(sorted(((float(c.params[lr_key]), c) for c in members), key=lambda pair: pair[0]))
-    initial = [r.initial_loss for c in members for r in c.included if math.isfinite(r.initial_loss)]
-    cap = statistics.median(initial) if initial else math.inf
+    caps, late = _caps(by_lr)
     scores = {}
     for lr, cell in by_lr.items():
-        scored = [x for r in cell.included if (x := _scored(r, cap, mode)) is not None]
+        scored = [x for r in cell.included if (x := _scored(r, caps[r.seed], mode)) is not None]
         if scored:
             scores[lr] = statistics.fmean(scored)
-    best_lr = (min if mode == "min" else max)(scores, key=scores.__getitem__) if scores else None
+    lrs = list(scores)
+    best_lr = lrs[best_index([scores[lr] for lr in lrs], mode)] if lrs else None
+    seeds = set.intersection(*(set(c.by_seed()) for c in by_lr.values())) if by_lr else set()
+    grid = {}
+    for seed in sorted(seeds, key=lambda s: (0, s, "") if isinstance(s, int) else (1, 0, str(s))):
+        row = [_scored(c.by_seed()[seed], caps[seed], mode) for c in by_lr.values()]
+        if all(v is not None and math.isfinite(v) for v in row):
+            grid[seed] = row
     sensitivity = None
-    if mode == "min" and math.isfinite(cap) and len(by_lr) > 1:
-        seeds = set.intersection(*(set(c.by_seed()) for c in by_lr.values()))
-        per_seed = []
-        for seed in sorted(seeds, key=lambda s: (0, s, "") if isinstance(s, int) else (1, 0, str(s))):
-            curve = {lr: _raw(c.by_seed()[seed]) for lr, c in by_lr.items()}  # lr_sensitivity caps them
-            if all(v is not None for v in curve.values()):
-                per_seed.append(lr_sensitivity(curve, cap))
-        sensitivity = estimate(per_seed) if per_seed else None
-    return LrGroup(name, by_lr, cap, scores, best_lr, sensitivity)
+    if mode == "min" and len(by_lr) > 1 and grid:
+        sensitivity = estimate([lr_sensitivity(dict(zip(by_lr, row, strict=True)), caps[seed])
+                                for seed, row in grid.items()])
+    return LrGroup(name, by_lr, caps, scores, best_lr, sensitivity, grid, late)
+
+
+def compare_groups(groups: Sequence[LrGroup], baseline: str, margin: float | None, mode: str, statistic: str,
+                   alpha: float = ALPHA, family: Sequence[str] | None = None) -> list[Comparison]:
+    """Each group of `family` (default: every other) against the `baseline` group, paired over the seeds both
+    have at every LR: `statistic` "lr_sensitivity" (the per-seed difference of LR sensitivities, mode min) or
+    "best_lr" (each seed read at the best LR chosen on the other seeds: `training.stats.crossfit_best`, with
+    the reselecting bootstrap interval beside it); Holm across the groups compared."""
+    base = next(g for g in groups if g.name == baseline)
+    names = [g.name for g in groups if g.name != baseline] if family is None else list(family)
+    diffs, seeds, boots = {}, {}, {}
+    for g in groups:
+        if g.name not in names:
+            continue
+        shared = tuple(s for s in g.grid if s in base.grid)
+        seeds[g.name] = shared
+        if statistic == "lr_sensitivity":
+            mine, theirs = g.per_seed_sensitivity(), base.per_seed_sensitivity()
+            a, b = [mine[s] for s in shared], [theirs[s] for s in shared]
+        else:
+            grid_a = [[g.grid[s][i] for s in shared] for i in range(len(g.cells))]
+            grid_b = [[base.grid[s][i] for s in shared] for i in range(len(base.cells))]
+            a, b = (crossfit_best(x, mode) if shared else [] for x in (grid_a, grid_b))
+            boots[g.name] = best_lr_bootstrap(grid_a, grid_b, mode) if len(shared) > 1 else None
+        diffs[g.name] = paired_difference(a, b) if shared else no_estimate()
+    better = "lower" if mode == "min" or statistic == "lr_sensitivity" else "higher"
+    judged = judge_family(diffs, margin, better, alpha)
+    return [Comparison(n, seeds[n], seeds[n], judged[n], boots.get(n)) for n in diffs]

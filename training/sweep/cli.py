@@ -5,6 +5,7 @@
     normlab sweep SPEC.yaml --dry_run          list every run and its exact fit command
     normlab sweep SPEC.yaml --status           each run's state, step and metric
     normlab sweep SPEC.yaml --report           the statistics report (training/sweep/report.py)
+    normlab sweep SPEC.yaml --plan --pilot DIR the seeds the spec's question needs, from a pilot's spread
 """
 from __future__ import annotations
 
@@ -29,6 +30,8 @@ def parser() -> argparse.ArgumentParser:
     what.add_argument("--dry_run", action="store_true", help="list the runs and their fit commands; start nothing")
     what.add_argument("--status", action="store_true", help="show each run's state, step and metric")
     what.add_argument("--report", action="store_true", help="write the statistics report of the sweep")
+    what.add_argument("--plan", action="store_true",
+                      help="before the runs: power, MDE and the seeds the spec's question needs (from a pilot)")
     p.add_argument("--executor", choices=("local", "slurm"), default="local",
                    help="local (default): subprocesses on this machine; slurm: one job array")
     p.add_argument("--max_parallel", type=int, default=1,
@@ -36,6 +39,10 @@ def parser() -> argparse.ArgumentParser:
                         "slurm: the array's concurrency limit (default: the spec's slurm.max_parallel)")
     p.add_argument("--wait", action="store_true", help="slurm: wait until the array has ended, then show --status")
     p.add_argument("--out", type=Path, default=None, help="--report: the report directory (default: the sweep's)")
+    p.add_argument("--pilot", type=Path, default=None,
+                   help="--plan: a pilot sweep's directory with the same cells (default: this spec's)")
+    p.add_argument("--sd", type=float, default=None,
+                   help="--plan: the standard deviation of the per-seed differences, instead of a pilot's")
     return p
 
 
@@ -69,6 +76,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.report:
         return report(spec.sweep_dir, args.out)
+    if args.plan:
+        from training.sweep.plan import plan
+
+        sys.stdout.write(plan(spec, args.pilot, args.sd))
+        return 0
     if args.executor == "slurm":
         from training.sweep.slurm import submit
 

@@ -8,39 +8,23 @@ from pathlib import Path
 
 import numpy as np
 
+from training.plotting import BAND, band, pyplot, save_figure
 from training.sweep.analysis import Cell, LrGroup
 from training.sweep.results import TRAIN_LOSS, RunResult
 
 
-def _pyplot():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def _save(fig, out: Path) -> None:
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.stem}.tmp{out.suffix}")
-    fig.savefig(tmp, dpi=110)
-    tmp.replace(out)  # atomically: a reader never sees half a PNG
-
-
-def _band(runs: Sequence[RunResult], tag: str) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """(tokens, mean, min, max) over the runs at every step that all of them logged."""
+def _aligned(runs: Sequence[RunResult], tag: str) -> tuple[np.ndarray, list[list[float]]]:
+    """(tokens, [run][step] values) at every step that all of the runs logged."""
     series = [dict(r.curves.get(tag, [])) for r in runs]
     steps = sorted(set.intersection(*(set(s) for s in series))) if series else []
-    values = np.array([[s[step] for s in series] for step in steps]).reshape(len(steps), len(series))
     tokens = np.array(steps, dtype=float) * runs[0].tokens_per_step if runs else np.array([])
-    return tokens, values.mean(axis=1), values.min(axis=1), values.max(axis=1)
+    return tokens, [[s[step] for step in steps] for s in series]
 
 
 def curves(cells: Sequence[Cell], tags: Sequence[str], out: Path) -> None:
-    """One panel per tag: each cell's mean over the seeds that did not diverge, shaded from their min to their
-    max; a diverged run's own curve dotted, ending where it stopped logging."""
-    plt = _pyplot()
+    """One panel per tag: each cell's band over the seeds that did not diverge (`training.plotting.band`); a
+    diverged run's own curve dotted, ending where it stopped logging."""
+    plt = pyplot()
     fig, axes = plt.subplots(1, len(tags), figsize=(6.5 * len(tags), 4.5), squeeze=False)
     colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for ax, tag in zip(axes[0], tags, strict=True):
@@ -49,11 +33,10 @@ def curves(cells: Sequence[Cell], tags: Sequence[str], out: Path) -> None:
             colour = colours[i % len(colours)]
             kept = [r for r in cell.included if r.outcome != "diverged" and r.curves.get(tag)]
             if kept:
-                x, mean, lo, hi = _band(kept, tag)
-                shown += [*lo, *hi]
-                ax.plot(x, mean, color=colour, label=f"{cell.name} (n={len(kept)})")
-                if len(kept) > 1:
-                    ax.fill_between(x, lo, hi, color=colour, alpha=0.2, linewidth=0)
+                x, per_seed = _aligned(kept, tag)
+                if len(x):
+                    band(ax, x, per_seed, cell.name, color=colour)
+                    shown += [v for seed in per_seed for v in seed]
             label = f"{cell.name}: diverged (dotted)"
             for r in cell.included:
                 if r.outcome == "diverged" and r.curves.get(tag):
@@ -65,18 +48,17 @@ def curves(cells: Sequence[Cell], tags: Sequence[str], out: Path) -> None:
             ax.set_ylim(min(shown) - 0.05 * span - 1e-6, max(shown) + 0.05 * span + 1e-6)
         ax.set_xlabel("tokens")
         ax.set_ylabel(tag)
-        ax.set_title(f"{tag}: mean over seeds, band min–max (dotted: diverged)", fontsize=9)
+        ax.set_title(f"{tag}: {BAND} (dotted: diverged)", fontsize=9)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     fig.tight_layout()
-    _save(fig, out)
-    plt.close(fig)
+    save_figure(fig, out)
 
 
 def lr_curves(groups: Sequence[LrGroup], metric: str, out: Path) -> None:
     """Per group: the score per LR (the mean final metric, diverged runs at the cap) as a line, each seed's
     final metric as a dot, each diverged run as an × at the cap; log-scaled LR axis."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.5))
     colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for i, group in enumerate(groups):
@@ -86,18 +68,18 @@ def lr_curves(groups: Sequence[LrGroup], metric: str, out: Path) -> None:
         for lr, cell in group.cells.items():
             finals = [r.final for r in cell.numbers]
             ax.plot([lr] * len(finals), finals, "o", color=colour, markersize=4, alpha=0.6)
-            diverged = sum(r.outcome == "diverged" for r in cell.included)
-            if diverged and math.isfinite(group.cap):
-                ax.plot([lr] * diverged, [group.cap] * diverged, "x", color=colour, markersize=8)
+            caps = [group.caps[r.seed] for r in cell.included if r.outcome == "diverged"]
+            caps = [c for c in caps if math.isfinite(c)]
+            if caps:
+                ax.plot([lr] * len(caps), caps, "x", color=colour, markersize=8)
     ax.set_xscale("log")
     ax.set_xlabel("learning rate")
     ax.set_ylabel(f"final {metric}")
-    ax.set_title("line: mean over seeds (diverged = initial loss, ×); dots: seeds", fontsize=9)
+    ax.set_title("line: mean over seeds (diverged = its seed's loss at init, ×); dots: seeds", fontsize=9)
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=8)
     fig.tight_layout()
-    _save(fig, out)
-    plt.close(fig)
+    save_figure(fig, out)
 
 
 def curve_tags(metric: str) -> list[str]:

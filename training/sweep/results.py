@@ -6,10 +6,12 @@ give the same number for the same run:
   step logged twice, as after a resume's purge, keeps its newest value), with that step. A run whose outcome
   is "diverged" has no final metric (NaN): it is counted as an outcome, never averaged as a number.
 - outcome: `training.stats.training_outcome` of the run's logged `train/loss` values in step order (trains /
-  stalled / diverged, the study's definition), and "diverged" whenever the runner recorded the run as
-  diverged or the final metric is not finite.
-- initial loss: the first logged `train/loss` (the loss of update 1, at the initialization, when
-  `trainer.log_every_n_steps` is 1; after that many updates otherwise).
+  stalled / diverged, the study's definition): "diverged" also whenever the runner recorded the run as
+  diverged, the final metric is not finite, or a final loss (a metric whose tag ends in "loss") is above the
+  initial loss — no better than not training, as in the study.
+- initial loss: the first logged `train/loss` and its step (`initial_step`). `normlab fit` logs the loss of
+  update 1 — the loss at initialization — at step 1 whatever `trainer.log_every_n_steps` is; a run written
+  before that logs it only after `log_every_n_steps` updates, and the report says so.
 """
 from __future__ import annotations
 
@@ -95,6 +97,7 @@ class RunResult:
     steps: int = 0
     tokens: float = 0.0
     initial_loss: float = math.nan
+    initial_step: int | None = None  # the step of the first logged train/loss (1: the loss at initialization)
     curves: dict[str, Points] = field(default_factory=dict)  # train/loss and the metric, against steps
     tokens_per_step: float = 0.0
 
@@ -124,10 +127,11 @@ def result(cell: str, params: dict[str, Any], seed: Any, run_dir: Path, status: 
     # a metric that was logged non-finite diverged; one never logged is missing (final NaN), not an outcome
     if not losses and status != "diverged":  # nothing to judge the outcome by (logged less often than it ran)
         return RunResult(cell, params, seed, run_dir, f"{status} without {TRAIN_LOSS}")
-    outcome = training_outcome(losses, diverged=status == "diverged" or (bool(points) and not math.isfinite(final)))
+    stopped = status == "diverged" or (bool(points) and not math.isfinite(final))
+    outcome = training_outcome(losses, stopped, final if points and metric.endswith("loss") else None)
     steps = max((p[-1][0] for tag, p in s.items() if tag.startswith("train/") and p), default=0)
     per_step = tokens_per_step(run)
     return RunResult(cell, params, seed, run_dir, status, outcome,
                      final if outcome != "diverged" else math.nan, final_step, steps, steps * per_step,
-                     losses[0] if losses else math.nan,
+                     losses[0] if losses else math.nan, s[TRAIN_LOSS][0][0] if losses else None,
                      {tag: s[tag] for tag in (TRAIN_LOSS, metric) if tag in s}, per_step)

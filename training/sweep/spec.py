@@ -8,10 +8,18 @@
     grid: {model.placement: [pre, post], optim.lr: [1.0e-3, 3.0e-3]}   # crossed
     zip: {optim.lr: [...], optim.min_lr: [...]}   # axes that vary together (equal lengths), crossed with grid
     seeds: [0, 1, 2]              # each run's --seed_everything (the initialization)
-    data_order: paired            # paired: one data order for all runs; seed: --data.seed=<seed> per run
+    data_order: seed              # seed (default): --data.seed=<seed> per run; fixed: one data order for all runs
     metric: val/loss              # what the report judges, and `mode` (min | max) says which way is better
     baseline: placement=pre       # a cell name (or null); margin: the equivalence margin of the report
-    slurm: {...}                  # training/sweep/slurm.py (SlurmResources)
+    question: cells               # what the verdicts answer: cells | lr_sensitivity | best_lr
+    compare: [placement=post]     # the question's family: the cells (or LR groups) judged against the baseline
+    slurm: {...}                  # training/sweep/slurm.py
+
+Both data orders are paired: the cells' runs at one seed share the initialization and (`seed`) their batch
+order, so the report's differences are taken seed by seed; `seed` also lets the data order vary between
+replicates, as the study does. The question's family is what Holm's correction runs across: the cells listed
+in `compare` against the baseline (`question: cells`), or the LR groups listed there against the baseline's
+group (`lr_sensitivity`, `best_lr`); without `compare`, every other cell or group.
 
 A cell's name is `short=value,...` over the axes in spec order, the short name being the key's last component
 (the full key when two axes share it): `placement=post,lr=0.003`. A run is one cell × one seed:
@@ -32,8 +40,9 @@ import yaml
 from training.errors import UserError
 
 SPEC_KEYS = ("name", "runs_dir", "base", "grid", "zip", "seeds", "data_order", "metric", "mode", "baseline",
-             "margin", "lr_key", "slurm")
-DATA_ORDERS = ("paired", "seed")
+             "margin", "lr_key", "question", "compare", "slurm")
+DATA_ORDERS = ("seed", "fixed")
+QUESTIONS = ("cells", "lr_sensitivity", "best_lr")
 MODES = ("min", "max")
 _KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]*$")
@@ -66,12 +75,14 @@ class Spec:
     grid: dict[str, list[Any]] = field(default_factory=dict)
     zip: dict[str, list[Any]] = field(default_factory=dict)
     seeds: tuple[int, ...] = (0,)
-    data_order: str = "paired"
+    data_order: str = "seed"
     metric: str = "val/loss"
     mode: str = "min"
     baseline: str | None = None
     margin: float | None = None
     lr_key: str | None = None
+    question: str = "cells"
+    compare: tuple[str, ...] | None = None
     slurm: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -90,6 +101,14 @@ class Spec:
         cells = [{**g, **z} for g in grid for z in zipped]
         shorts = short_names(self.axes)
         return [(",".join(f"{shorts[k]}={format_value(c[k])}" for k in self.axes) or "base", c) for c in cells]
+
+    def lr_group(self, cell: str) -> str:
+        """The LR group of a cell: its name without the LR axis (and the axes zipped with it)."""
+        drop = {self.lr_key} | (set(self.zip) if self.lr_key in self.zip else set())
+        return ",".join(p for p, axis in zip(cell.split(","), self.axes, strict=True) if axis not in drop) or "all"
+
+    def lr_groups(self) -> list[str]:
+        return list(dict.fromkeys(self.lr_group(cell) for cell, _ in self.cells()))
 
     def runs(self) -> list[Run]:
         runs = []
@@ -203,17 +222,52 @@ def load_spec(path: str | Path) -> Spec:
         raise _fail(path, f"seeds must be a list of distinct non-negative integers, got {seeds!r}")
     spec = Spec(path=path, name=name, runs_dir=Path(raw.get("runs_dir") or "runs").absolute(), configs=configs,
                 overrides=overrides, grid=grid, zip=zipped, seeds=tuple(seeds),
-                data_order=_choice(path, raw, "data_order", DATA_ORDERS, "paired"),
+                data_order=_data_order(path, raw),
                 metric=str(raw.get("metric") or "val/loss"), mode=_choice(path, raw, "mode", MODES, "min"),
                 baseline=raw.get("baseline"), margin=_margin(path, raw.get("margin")),
                 lr_key=raw.get("lr_key", "optim.lr" if "optim.lr" in grid or "optim.lr" in zipped else None),
+                question=_choice(path, raw, "question", QUESTIONS, "cells"), compare=_names(path, raw.get("compare")),
                 slurm=raw.get("slurm") or {})
     cells = [c for c, _ in spec.cells()]
     if spec.baseline is not None and spec.baseline not in cells:
         raise _fail(path, f"baseline {spec.baseline!r} is not a cell; the cells are: {', '.join(cells)}")
     if spec.lr_key is not None and spec.lr_key not in spec.axes:
         raise _fail(path, f"lr_key {spec.lr_key!r} is not an axis of grid or zip ({', '.join(spec.axes)})")
+    _check_question(spec, cells)
     return spec
+
+
+def _data_order(path: Path, raw: dict) -> str:
+    if raw.get("data_order") == "paired":
+        raise _fail(path, "data_order 'paired' is now called 'fixed' (one data order for every run); the default, "
+                    "'seed', varies the data order with the seed and is paired too")
+    return _choice(path, raw, "data_order", DATA_ORDERS, "seed")
+
+
+def _names(path: Path, raw: Any) -> tuple[str, ...] | None:
+    if raw is None:
+        return None
+    if not isinstance(raw, list) or not raw or not all(isinstance(x, str) for x in raw) or len(set(raw)) < len(raw):
+        raise _fail(path, f"compare must be a non-empty list of distinct cell (or LR group) names, got {raw!r}")
+    return tuple(raw)
+
+
+def _check_question(spec: Spec, cells: list[str]) -> None:
+    """The question's family must name what exists: cells, or LR groups (which need an lr_key)."""
+    if spec.question != "cells" and spec.lr_key is None:
+        raise _fail(spec.path, f"question {spec.question!r} compares LR groups: give an lr_key (an axis of grid or "
+                    "zip)")
+    if spec.compare is None:
+        return
+    if spec.baseline is None:
+        raise _fail(spec.path, "compare lists what is judged against the baseline: give a baseline too")
+    valid = cells if spec.question == "cells" else spec.lr_groups()
+    own = spec.baseline if spec.question == "cells" else spec.lr_group(spec.baseline)
+    what = "cell" if spec.question == "cells" else "LR group"
+    for name in spec.compare:
+        if name not in valid or name == own:
+            raise _fail(spec.path, f"compare entry {name!r} is not a {what} other than the baseline's; choose "
+                        f"from: {', '.join(v for v in valid if v != own)}")
 
 
 def _choice(path: Path, raw: dict, key: str, valid: tuple[str, ...], default: str) -> str:

@@ -159,6 +159,7 @@ def summary(spec: Spec, runs: list[Run], with_metric: bool = False) -> dict[str,
         entries.append(entry)
     return {"name": spec.name, "spec_path": str(spec.path.absolute()), "metric": spec.metric, "mode": spec.mode,
             "baseline": spec.baseline, "margin": spec.margin, "lr_key": spec.lr_key, "axes": spec.axes,
+            "question": spec.question, "compare": list(spec.compare) if spec.compare else None,
             "seeds": list(spec.seeds), "data_order": spec.data_order, "cwd": str(Path.cwd()), "runs": entries}
 
 

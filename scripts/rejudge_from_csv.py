@@ -1,0 +1,166 @@
+"""Judge a finished study's primaries again, with the committed claims and rules, from its CSVs alone.
+
+    python scripts/rejudge_from_csv.py docs/study [--extra runs/study-22 ...] [--output FILE]
+
+`normlab study --rejudge` rebuilds a whole report from the run's `measurements.pt`; this script is for a run
+whose `measurements.pt` is not at hand but whose `measurements.csv` (every test's per-seed values) and
+`runs.csv` (every trained run's held-out loss, loss at initialization and outcome) are. Each primary of the
+current claims is measured, where possible, with the study's own code (`training.study.judge`):
+
+- statistics of held-out losses over runs (final loss, LR sensitivity, best LR cross-fitted, loss gaps,
+  divergence counts) are computed again from runs.csv;
+- other statistics (probes, timings) reuse measurements.csv's per-seed values, when the test's statistic and
+  roles are unchanged;
+- a primary that needs a run the study did not make is listed as awaiting the next run.
+
+It prints a Markdown table: per claim, the committed report's verdict (read from `report.md`) beside the
+verdict under the current rules, the estimate and the p-values (t-test and sign-flip, within the claim's own
+family) and the Benjamini–Hochberg q across the claims judged here.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import math
+import re
+from pathlib import Path
+
+from training.stats import benjamini_hochberg, comparison_verdict
+from training.study.claims import CLAIMS, MECHANISM, PRIMARY, SECONDARY, Claim, Test
+from training.study.grid import SCALES, Train
+from training.study.judge import Outcome, combine, decide, from_samples, judge_tests, measure
+from training.study.statistics import Context
+
+RUN_STATS = ("final_loss", "best_lr_loss", "lr_sensitivity", "loss_gap", "diverged_runs")
+
+
+def _float(text: str) -> float:
+    return float(text) if text else math.nan
+
+
+def runs_results(path: Path) -> dict[str, list[dict]]:
+    """Per configuration label, its runs in seed order as the study's statistics read them."""
+    out: dict[str, dict[int, dict]] = {}
+    for row in csv.DictReader(path.open()):
+        out.setdefault(row["configuration"], {})[int(row["seed"])] = {
+            "val_loss": _float(row["held_out_loss"]), "losses": [_float(row["initial_loss"])],
+            "diverged_at": 0 if row["outcome"] == "diverged" else None, "probes": {}}
+    return {label: [runs[s] for s in sorted(runs)] for label, runs in out.items()}
+
+
+def measurements(path: Path) -> dict[str, tuple[str, str, str, list[float], list[float] | None]]:
+    """Per test id: (statistic, role a, role b, per-seed a, per-seed b or None)."""
+    out: dict[str, tuple] = {}
+    for row in csv.DictReader(path.open()):
+        stat, a, b, samples_a, samples_b = out.setdefault(row["test"], (row["statistic"], row["role_a"],
+                                                                        row["role_b"], [], []))
+        samples_a.append(float(row["value_a"]))
+        if row["value_b"]:
+            samples_b.append(float(row["value_b"]))
+    return {k: (s, a, b, xs, ys or None) for k, (s, a, b, xs, ys) in out.items()}
+
+
+def old_verdicts(report: Path) -> dict[str, str]:
+    """Per test id, the verdict the committed report gave."""
+    return dict(re.findall(r"^\| (\w+): .*? \| \w[\w ]* \| [^|]* \| \*\*(\w+)(?: †)?\*\* \|", report.read_text(),
+                           flags=re.M))
+
+
+def _outcome(test: Test, ctx: Context, csv_values: dict) -> Outcome | None:
+    if test.stat in RUN_STATS:
+        try:
+            return measure(ctx, test)
+        except KeyError:  # a role whose runs the study did not make
+            return None
+    if test.id in csv_values:
+        stat, a, b, xs, ys = csv_values[test.id]
+        if (stat, a, b or None) == (test.stat, test.a, test.b):
+            return from_samples(test, xs, ys)
+    return None
+
+
+def rejudge(study: Path, extra: list[Path]) -> list[str]:
+    runs, csv_values = runs_results(study / "runs.csv"), measurements(study / "measurements.csv")
+    for more in extra:  # later runs of some claims: their per-seed values, and their trained runs, win
+        csv_values |= measurements(more / "measurements.csv")
+        runs |= runs_results(more / "runs.csv") if (more / "runs.csv").is_file() else {}
+    old = old_verdicts(study / "report.md")
+    scale = SCALES["default"]
+    rows, judged, others = [], [], []
+    for claim in CLAIMS:
+        roles = claim.setup(scale)
+        results = {spec: runs[spec.label()] for spec in roles.values()
+                   if isinstance(spec, Train) and spec.label() in runs}
+        ctx = Context(scale, roles, results)
+        outs = [_outcome(t, ctx, csv_values) for t in claim.primaries]
+        ready = [o for o in outs if o is not None]
+        judge_tests(ready)
+        judged += [o for o in ready if o.judgement is not None]
+        rows.append((claim, outs))
+        for test in (t for t in claim.tests if t.tier in (SECONDARY, MECHANISM) and t.id in old):
+            o = _outcome(test, ctx, csv_values)
+            if o is not None:
+                judge_tests([o])
+            if o is None or o.verdict != old[test.id]:
+                others.append((test, o, old[test.id]))
+    for key in ("difference", "equivalence"):
+        for o, q in zip(judged, benjamini_hochberg([o.p[key] for o in judged]), strict=True):
+            o.q[key] = q
+    for o in judged:
+        o.verdict_bh = decide(o.test, comparison_verdict(o.judgement.direction, o.q["difference"],
+                                                         o.q["equivalence"], "lower"))
+    lines = ["| claim | committed (v3 rules) | primary now | estimate [95% CI] | p: t / sign-flip | verdict now | "
+             "q (BH), verdict at FDR 5% |", "|---|---|---|---|---|---|---|"]
+    for claim, outs in rows:
+        lines += _rows(claim, outs, old)
+    lines += ["", "Secondary tests and mechanism checks whose verdict changed (or not judged from the CSVs):",
+              "", "| test | committed | now | estimate [95% CI] |", "|---|---|---|---|"]
+    for test, o, was in others:
+        now = "— (not in the CSVs)" if o is None else o.verdict + (" ‡" if o.disagree else "")
+        e = None if o is None else o.shown
+        ci = f"{e.mean:.3g} [{e.lo:.3g}, {e.hi:.3g}]" if e is not None and math.isfinite(e.mean) else "—"
+        lines.append(f"| {test.id} | {was} | {now} | {ci} |")
+    return lines
+
+
+def _rows(claim: Claim, outs: list[Outcome | None], old: dict[str, str]) -> list[str]:
+    was = next((f"{t.id} {old[t.id]}" for t in _v3_primary(claim) if t.id in old), "—")
+    now = "awaits the next run" if any(o is None for o in outs) else combine([o.verdict for o in outs])
+    lines = []
+    for i, (test, o) in enumerate(zip(claim.primaries, outs, strict=True)):
+        head = (f"{claim.number} | {was}", f"**{now}**") if i == 0 else (" | ", "")
+        if o is None:
+            lines.append(f"| {head[0]} | {test.id} | — | — | awaits the next run | — |")
+            continue
+        key = "difference" if test.kind != "equivalent" else "equivalence"
+        e = o.shown
+        ci = f"{e.mean:.3g} [{e.lo:.3g}, {e.hi:.3g}]" if math.isfinite(e.mean) else "— (one arm never finite)"
+        if o.bootstrap is not None:
+            ci += f"; bootstrap, best LR chosen per resample: [{o.bootstrap[0]:.3g}, {o.bootstrap[1]:.3g}]"
+        flag = " ‡" if o.disagree else ""
+        lines.append(f"| {head[0]} | {test.id} | {ci} | {o.p[key]:.2g} / {o.p[key + '_perm']:.2g} | "
+                     f"{o.verdict}{flag} (claim: {head[1] or 'above'}) | {o.q[key]:.2g}, {o.verdict_bh} |")
+    return lines
+
+
+def _v3_primary(claim: Claim) -> list[Test]:
+    """The committed report's primary: the claim's first test in v3 (a primary then, perhaps secondary now)."""
+    return [t for t in claim.tests if t.tier == PRIMARY or t.id.endswith("a")]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("study", type=Path, help="a study's output directory with report.md and the two CSVs")
+    ap.add_argument("--extra", type=Path, nargs="*", default=[],
+                    help="output directories of later `normlab study --claims ...` runs whose values complete it")
+    ap.add_argument("--output", type=Path, default=None, help="write the table there instead of printing it")
+    args = ap.parse_args()
+    text = "\n".join(rejudge(args.study, args.extra)) + "\n"
+    if args.output:
+        args.output.write_text(text)
+    else:
+        print(text, end="")
+
+
+if __name__ == "__main__":
+    main()

@@ -9,7 +9,7 @@ Everything belongs to one cluster instance, so that several can run on one machi
 holding the munge key, socket and seed, the slurm.conf (clients find it through SLURM_CONF), state, spools,
 pid and log files; free TCP ports; a unique cluster name. The daemons run in the foreground as our children and
 are stopped by their own pids, never by name. Timing knobs, for tests that wait on Slurm: `AuthInfo=cred_expire`
-is how long a requeued job is held before it may start again (default 120 s; 10 s here), `sched_interval` and
+is how long a requeued job is held before it may start again (default 120 s; 5 s here), `sched_interval` and
 `bf_interval` how often the schedulers look at pending jobs (60 s and 30 s; 2 s here), `KillWait` the grace
 between SIGTERM and SIGKILL when a job ends (30 s; 10 s here).
 """
@@ -30,7 +30,7 @@ from pathlib import Path
 import pytest
 
 PACKAGES = ("slurm-wlm", "munge")
-REQUEUE_HOLD_S = 10
+REQUEUE_HOLD_S = 5
 NODES = ("n1", "n2")
 
 

@@ -1,4 +1,4 @@
-"""`--loggers csv wandb mlflow` (training/loggers.py) in a real tiny fit and its resume: every normlab metric —
+"""`--loggers "[csv, wandb, mlflow]"` (training/loggers.py) in a real tiny fit and its resume: every normlab metric —
 LitLM's (`train/loss`), the health callback's (`resid/rms/L0`), the guard's and throughput's — reaches every
 logger, TensorBoard stays the run's default with its dashboards, and a resume continues the same W&B and MLflow
 runs. W&B runs offline (`WANDB_MODE=offline`), MLflow on its file store: both real, nothing mocked."""

@@ -2,8 +2,8 @@
 
 TensorBoard is the default and always first: its events live directly in the run directory (`compare`, the test
 helpers and the offline `evaluate` results read them there), and it alone takes the dashboards the health
-metrics draw (custom-scalar charts, the depth-profile image, gain histograms). `--loggers csv wandb mlflow`
-adds Lightning's own loggers beside it, each writing under the run directory:
+metrics draw (custom-scalar charts, the depth-profile image, gain histograms). `--loggers "[csv, wandb, mlflow]"`
+(a list, as one value) adds Lightning's own loggers beside it, each writing under the run directory:
 
 - `csv`: `CSVLogger`, `<run>/csv/version_N/metrics.csv`; a resumed run starts a new `version_N` (Lightning's
   CSV writer cannot append to an earlier file).

@@ -3,7 +3,7 @@
     normlab sweep SPEC.yaml                    train what is not finished, locally (--max_parallel N at once)
     normlab sweep SPEC.yaml --executor slurm   submit it as one Slurm job array (--wait to follow it)
     normlab sweep SPEC.yaml --dry_run          list every run and its exact fit command
-    normlab sweep SPEC.yaml --status           each run's state, step and metric
+    normlab sweep SPEC.yaml --status           each run's state, step, time and metric; the ETA
     normlab sweep SPEC.yaml --report           the statistics report (training/sweep/report.py)
 """
 from __future__ import annotations
@@ -27,7 +27,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("spec", help="the sweep spec (YAML)")
     what = p.add_mutually_exclusive_group()
     what.add_argument("--dry_run", action="store_true", help="list the runs and their fit commands; start nothing")
-    what.add_argument("--status", action="store_true", help="show each run's state, step and metric")
+    what.add_argument("--status", action="store_true",
+                      help="show each run's state, step, time and metric, and the sweep's ETA")
     what.add_argument("--report", action="store_true", help="write the statistics report of the sweep")
     p.add_argument("--executor", choices=("local", "slurm"), default="local",
                    help="local (default): subprocesses on this machine; slurm: one job array")

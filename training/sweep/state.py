@@ -6,9 +6,10 @@ Nothing here is trusted that a `kill -9` could leave stale. A run's facts live i
 - `sweep-run.json`, written atomically by whoever trains it (training/sweep/launch.py): the exact command, the
   hashes of its `-c` files, and the outcome of its last attempt (running with a pid and host, finished,
   diverged, failed).
-A run is `finished` once a complete checkpoint has reached max_steps (or its last attempt exited finished),
-`diverged` / `failed` as its last attempt ended, `running` while the recorded process lives, and `pending`
-otherwise (never started, or interrupted: the next sweep resumes it from its newest checkpoint).
+A run is `running` while the recorded process lives (on this host also past its last checkpoint, while it
+validates and exits), `finished` once a complete checkpoint has reached max_steps (or its last attempt exited
+finished), `diverged` / `failed` as its last attempt ended, and `pending` otherwise (never started, or
+interrupted: the next sweep resumes it from its newest checkpoint).
 
 `sweep.json` (the interface with the report, training/sweep/report.py) is a summary of these facts, rewritten
 atomically under a file lock by the local runner and by every Slurm task on each change. It is written before any
@@ -126,12 +127,15 @@ def run_status(run_dir: Path) -> tuple[str, int, dict[str, Any] | None]:
     record = read_json(run_dir / RUN_RECORD)
     step, max_steps = progress(run_dir)
     outcome = (record or {}).get("status")
-    if (max_steps is not None and max_steps > 0 and step >= max_steps) or outcome == "finished":
+    reached = max_steps is not None and max_steps > 0 and step >= max_steps
+    # A live process on this host is running, also past its last checkpoint (while it validates and exits); one
+    # elsewhere only until its last checkpoint (squeue, its evidence, may be missing).
+    if outcome == "running" and (not reached or record.get("host") == socket.gethostname()) and _alive(record):
+        return "running", step, record
+    if reached or outcome == "finished":
         return "finished", step, record
     if outcome in ("diverged", "failed"):
         return outcome, step, record
-    if outcome == "running" and _alive(record):
-        return "running", step, record
     return "pending", step, record
 
 

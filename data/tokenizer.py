@@ -255,7 +255,9 @@ def _bytes_to_unicode() -> dict[int, str]:
 
 
 def _config_tokens(directory: Path) -> dict[str, str]:
-    """Special token strings named in a ``tokenizer_config.json`` beside the tokenizer (if any)."""
+    """Special token strings named in a ``tokenizer_config.json`` beside the tokenizer (if any). One whose
+    ``auto_map`` names a tokenizer class of its own is refused: that tokenizer is Python code beside the files
+    (which normlab never runs), so its ``tokenizer.json`` need not be what the model was trained with."""
     import json
 
     config = directory / "tokenizer_config.json"
@@ -265,6 +267,12 @@ def _config_tokens(directory: Path) -> dict[str, str]:
         raw = json.loads(config.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError):
         return {}
+    if not isinstance(raw, dict):
+        return {}
+    if raw.get("auto_map"):
+        raise DataError(f"tokenizer '{config}' has an auto_map ({raw['auto_map']}): the tokenizer is defined by its "
+                        "own Python code, which normlab never runs (trust_remote_code=False); give a tokenizer.json "
+                        "or sentencepiece .model that is the tokenizer by itself")
     out = {}
     for key in ("bos_token", "eos_token", "pad_token", "unk_token"):
         value = raw.get(key)

@@ -1,4 +1,4 @@
-"""`--loggers csv wandb mlflow` (training/loggers.py) in a real tiny fit and its resume: every normlab metric —
+"""`--loggers "[csv, wandb, mlflow]"` (training/loggers.py) in a real tiny fit and its resume: every normlab metric —
 LitLM's (`train/loss`), the health callback's (`resid/rms/L0`), the guard's and throughput's — reaches every
 logger, TensorBoard stays the run's default with its dashboards, and a resume continues the same W&B and MLflow
 runs. W&B runs offline (`WANDB_MODE=offline`), MLflow on its file store: both real, nothing mocked."""
@@ -65,12 +65,12 @@ def test_mlflow_gets_every_metric_in_one_run(run: Path, monkeypatch: pytest.Monk
     assert len(client.search_runs([client.get_run(run_id).info.experiment_id])) == 1  # resumed, not a second run
 
 
-def wandb_history(run_file: Path) -> list[dict[str, str]]:
-    """The `history` rows of an offline W&B run file (`run-<id>.wandb`: a LevelDB-style log of protobuf records,
-    32 KiB blocks of [crc32, length, type] chunks after a 7-byte header), as {key: JSON value}."""
+def wandb_records(run_file: Path) -> list:
+    """The records of an offline W&B run file (`run-<id>.wandb`: a LevelDB-style log of protobuf records, 32 KiB
+    blocks of [crc32, length, type] chunks after a 7-byte header)."""
     from wandb.proto import wandb_internal_pb2
 
-    data, rows, pending, pos = run_file.read_bytes(), [], b"", 7
+    data, records, pending, pos = run_file.read_bytes(), [], b"", 7
     assert data[:4] == b":W&B"
     while pos + 7 <= len(data):
         left = 32768 - pos % 32768
@@ -84,9 +84,14 @@ def wandb_history(run_file: Path) -> list[dict[str, str]]:
             record = wandb_internal_pb2.Record()
             record.ParseFromString(pending)
             pending = b""
-            if record.WhichOneof("record_type") == "history":
-                rows.append({item.key or "/".join(item.nested_key): item.value_json for item in record.history.item})
-    return rows
+            records.append(record)
+    return records
+
+
+def wandb_history(run_file: Path) -> list[dict[str, str]]:
+    """The `history` rows of an offline W&B run file, as {key: JSON value}."""
+    return [{item.key or "/".join(item.nested_key): item.value_json for item in record.history.item}
+            for record in wandb_records(run_file) if record.WhichOneof("record_type") == "history"]
 
 
 def test_wandb_gets_every_metric_and_the_resume_continues_its_run(run: Path) -> None:

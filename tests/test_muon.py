@@ -122,3 +122,19 @@ def test_muon_under_deepspeed_is_one_line(workdir):
                         "--trainer.devices", "1", "--optim.name", "muon"], cwd=workdir, expect_ok=False)
     assert proc.returncode != 0
     assert "optim.name=muon does not run under DeepSpeed" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_muon_on_a_torch_without_it_is_one_line(workdir, monkeypatch, capsys):
+    """PyTorch before 2.9 has no torch.optim.Muon (pyproject allows older torch): refused at parse time, nothing
+    written. The attribute is removed here as an older torch lacks it."""
+    from training.cli import main
+
+    monkeypatch.delattr(torch.optim, "Muon")
+    runs = workdir / "runs-old-torch"
+    code = main(["fit", "-c", str(HELPERS / "tiny.yaml"), "--data.path", str(workdir / "tiny"), "--runs_dir",
+                 str(runs), "--name", "muon-old", "--optim.name", "muon"])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err, err
+    line = err.strip().splitlines()[-1]
+    assert "optim.name=muon needs torch.optim.Muon" in line and "torch>=2.9" in line and torch.__version__ in line
+    assert not runs.exists()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -78,7 +79,26 @@ def reference(work: Path) -> Path:
     proc = sweep(spec, "--max_parallel", "2")
     out, _ = proc.communicate(timeout=900)
     assert proc.returncode == 0, out
+    (work / "ref.out").write_text(out)
     return spec
+
+
+@pytest.mark.slow
+def test_a_local_sweep_prints_one_line_per_event_of_each_run(work, reference):
+    """Each run's start, start-up, checkpoints and end as they happen, with its step and the sweep's standing."""
+    lines = [ln.split("] ", 1)[1] for ln in (work / "ref.out").read_text().splitlines()
+             if "training.sweep.local]" in ln]
+    runs = [r.rel for r in load_spec(reference).runs()]
+    for rel in runs:
+        mine = [ln.split("  | ")[0].split("  ")[1:] for ln in lines if ln.startswith(f"{rel}  ")]
+        assert mine[0][0] == "started" and mine[0][1].startswith("step 0, "), mine
+        assert mine[-1][0].startswith("finished (start-up ") and mine[-1][1].startswith(f"step {STEPS}/{STEPS}, ")
+        assert {m[0].split(" ")[0] for m in mine[1:-1]} <= {"up", "checkpoint"}, mine
+        assert len(mine) <= 2 + 1 + STEPS // 4, mine  # quiet: start, start-up, a checkpoint each, end
+    assert re.search(r"\| sweep 0/4 done \(\d running, \d pending\), ETA \?$", lines[0])  # nothing to go by yet
+    assert lines[-1].endswith("| sweep 4/4 done (4 finished)")
+    first_end = next(i for i, ln in enumerate(lines) if " finished (" in ln)
+    assert all(re.search(r"ETA \d+(s|m\d\ds)$", ln) for ln in lines[first_end:] if "pending" in ln), lines
 
 
 @pytest.mark.slow
@@ -132,14 +152,17 @@ def test_rerun_of_a_finished_sweep_trains_nothing_and_status_shows_every_run(wor
     capsys.readouterr()
     assert main(["sweep", str(reference), "--status"]) == 0
     out = capsys.readouterr().out.splitlines()
-    assert out[0].split() == ["run", "status", "step", "val/loss"]
+    assert out[0].split() == ["run", "status", "step", "time", "val/loss"]
     rows = {line.split()[0]: line.split()[1:] for line in out[1:5]}
     assert set(rows) == {"placement=pre/s0", "placement=pre/s1", "placement=post/s0", "placement=post/s1"}
     from tests.helpers.runs import scalars
 
-    for rel, (status, step, metric) in rows.items():
+    for rel, (status, step, seconds, metric) in rows.items():
         val = scalars(sweep_dir / rel, "val/loss")
-        assert (status, int(step), metric) == ("finished", STEPS, f"{val[max(val)]:.4f}")
+        assert (status, step, metric) == ("finished", f"{STEPS}/{STEPS}", f"{val[max(val)]:.4f}")
+        record = json.loads((sweep_dir / rel / "sweep-run.json").read_text())
+        assert seconds == f"{round(record['ended'] - record['started'])}s"
+    assert out[5] == "4/4 done (4 finished)"
 
 
 @pytest.mark.slow

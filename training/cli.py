@@ -17,6 +17,7 @@ both starts and resumes a job. `--branch_from` starts a new run from another run
 from __future__ import annotations
 
 import importlib
+import itertools
 import logging
 import os
 import sys
@@ -112,6 +113,7 @@ def run_command(command: str, argv: list[str]) -> int:
             from training.strategy import adopt_deepspeed_launcher_env
 
             adopt_deepspeed_launcher_env(os.environ)
+            check_list_flags(argv[1:])
             # LightningCLI reads sys.argv itself when args is None (and warns when given both).
             run_lightning(None if argv == sys.argv[1:] else argv)
         except Exception as err:
@@ -147,6 +149,24 @@ def check_flag_style(args: list[str]) -> None:
         if flag.startswith("--") and "-" in flag[2:] and " " not in flag:  # (with a space argparse reads a value)
             raise UserError(f"{flag}: normlab's flags are spelled with underscores (as `normlab fit`'s are): "
                             f"use {'--' + flag[2:].replace('-', '_')}")
+
+
+LIST_FLAGS = ("--loggers",)  # `fit`'s list-valued flags that read naturally as several words
+
+
+def check_list_flags(args: list[str]) -> None:
+    """LightningCLI takes a list as one value — `--loggers "[csv, wandb]"`, or `loggers: [csv, wandb]` in a `-c`
+    file — as it does every list option. `--loggers csv wandb` would end in jsonargparse's "Expected a <class
+    'list'>. Got value: csv"; this line names the form that works instead. (A `nargs` list would take the words but
+    refuse the bracketed value that config files, sweeps and every other list flag use.)"""
+    for i, arg in enumerate(args):
+        flag, eq, value = arg.partition("=")
+        if flag not in LIST_FLAGS:
+            continue
+        words = [value] if eq else list(itertools.takewhile(lambda a: not a.startswith("-"), args[i + 1:]))
+        if words and not words[0].lstrip().startswith("[") and words[0] != "null":
+            raise UserError(f"{flag} {' '.join(words)}: give the list as one value: {flag} \"[{', '.join(words)}]\" "
+                            f"(or {flag[2:]}: [{', '.join(words)}] in a -c file)")
 
 
 def run_lightning(argv: list[str] | None) -> Any:

@@ -132,6 +132,9 @@ class OptimConfig:
             raise ValueError(f"optim.z_loss={self.z_loss} must be >= 0 (0 turns it off; PaLM uses 1e-4)")
         if self.name not in OPTIMIZERS:
             raise ValueError(f"optim.name={self.name!r} is not valid; choose one of {list(OPTIMIZERS)}")
+        if self.name == "muon" and not hasattr(torch.optim, "Muon"):
+            raise ValueError(f"optim.name=muon needs torch.optim.Muon, which PyTorch added in 2.9; this is torch "
+                             f"{torch.__version__}: pip install 'torch>=2.9', or use optim.name=adamw")
         if self.muon_adjust_lr not in MUON_ADJUST_LR:
             raise ValueError(f"optim.muon_adjust_lr={self.muon_adjust_lr!r} is not valid; choose one of "
                              f"{list(MUON_ADJUST_LR)}")

@@ -39,6 +39,7 @@ from model import ModelConfig
 from training.checkpointing.layout import MANIFEST, MODEL_CONFIG_FILE, CheckpointError, config_hash, read_manifest
 from training.checkpointing.load import NORMLAB_EXPORT_CONFIG, load_checkpoint
 from training.errors import UserError
+from training.remote_code import HF_READ, refuse_custom_code
 
 log = logging.getLogger(__name__)
 
@@ -121,6 +122,7 @@ def resolve(init_from: str) -> Source:
     where = f"--init_from {init_from}"
     if not path.is_dir():
         raise UserError(f"{where}: {'not a directory' if path.exists() else 'no such directory'}; give {_KINDS}")
+    refuse_custom_code(path, where)  # before transformers could ask whether to run the model's own code
     try:
         if (path / MANIFEST).is_file():
             manifest = read_manifest(path)
@@ -138,7 +140,7 @@ def resolve(init_from: str) -> Source:
 
             from model.hf_compat import config_from_hf
 
-            hf_cfg = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
+            hf_cfg = transformers.AutoConfig.from_pretrained(path, **HF_READ)
             return Source(path, "huggingface", config_from_hf(hf_cfg), hashes, getattr(hf_cfg, "normlab_step", None))
     except (OSError, ValueError, TypeError, KeyError, SafetensorError) as err:  # (CheckpointError is a ValueError)
         raise UserError(f"{where}: cannot read it ({type(err).__name__}: {err}); give {_KINDS}") from err
@@ -233,7 +235,7 @@ class InitFrom(Callback):
     def _compare_with_transformers(self, device: torch.device) -> None:
         import transformers
 
-        hf = transformers.AutoModelForCausalLM.from_pretrained(self.source.path, local_files_only=True,
+        hf = transformers.AutoModelForCausalLM.from_pretrained(self.source.path, **HF_READ,
                                                                dtype=torch.float32).to(device).eval()
         with torch.no_grad():
             self.metrics["init/hf_logits"] = hf(self.tokens.to(device)).logits.float().cpu()

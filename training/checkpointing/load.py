@@ -27,6 +27,7 @@ from model import ModelConfig, Transformer
 from training.checkpointing.layout import CONFIG_FILE, LIGHTNING_FILE, MODEL_CONFIG_FILE
 from training.checkpointing.manifest import MANIFEST, CheckpointError, Manifest, verify_files
 from training.checkpointing.safe import no_code_from_checkpoints, safe_torch_load
+from training.remote_code import HF_READ, refuse_custom_code
 
 log = logging.getLogger(__name__)
 
@@ -151,7 +152,8 @@ def _load_export_dir(path: Path) -> Loaded:
 
     from model.hf_compat import from_hf
 
-    hf = transformers.AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=torch.float32)
+    refuse_custom_code(path, f"'{path}'")  # before transformers could ask whether to run the model's own code
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, **HF_READ, dtype=torch.float32)
     step = _read_json(path / "config.json").get("normlab_step")
     return Loaded(from_hf(hf), step, None, {}, tokenizer, "Hugging Face export")
 

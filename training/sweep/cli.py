@@ -3,7 +3,7 @@
     normlab sweep SPEC.yaml                    train what is not finished, locally (--max_parallel N at once)
     normlab sweep SPEC.yaml --executor slurm   submit it as one Slurm job array (--wait to follow it)
     normlab sweep SPEC.yaml --dry_run          list every run and its exact fit command
-    normlab sweep SPEC.yaml --status           each run's state, step and metric
+    normlab sweep SPEC.yaml --status           each run's state, step, time and metric; the ETA
     normlab sweep SPEC.yaml --report           the statistics report (training/sweep/report.py)
     normlab sweep SPEC.yaml --plan --pilot DIR the seeds the spec's question needs, from a pilot's spread
 """
@@ -28,7 +28,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("spec", help="the sweep spec (YAML)")
     what = p.add_mutually_exclusive_group()
     what.add_argument("--dry_run", action="store_true", help="list the runs and their fit commands; start nothing")
-    what.add_argument("--status", action="store_true", help="show each run's state, step and metric")
+    what.add_argument("--status", action="store_true",
+                      help="show each run's state, step, time and metric, and the sweep's ETA")
     what.add_argument("--report", action="store_true", help="write the statistics report of the sweep")
     what.add_argument("--plan", action="store_true",
                       help="before the runs: power, MDE and the seeds the spec's question needs (from a pilot)")

@@ -8,6 +8,10 @@ Runs are independent processes: one that diverges or crashes is recorded and the
 The fit processes stay in the sweep's process group, so Ctrl-C (or `kill -- -PGID`) reaches them all; on SIGTERM
 the executor also forwards SIGTERM to each run, which saves its step and exits (training/signals.py); on
 either it starts no new run. After a `kill -9` the next sweep resumes the interrupted runs.
+
+It prints one line per event of a run — started, up (its first TensorBoard event: start-up over), a new
+checkpoint, its end — with the run's step and time and the sweep's done count and ETA (training/sweep/
+progress.py: the same numbers as `--status`).
 """
 from __future__ import annotations
 
@@ -18,13 +22,17 @@ import shutil
 import signal
 import subprocess
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
 from training.errors import UserError
+from training.sweep import progress
 from training.sweep.launch import train
 from training.sweep.spec import Run, Spec
 from training.sweep.state import LOG_FILE, RUN_RECORD, read_json
+
+POLL_SECONDS = 2.0  # how often running runs are looked at for their start-up and checkpoints
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +68,49 @@ def slots(max_parallel: int) -> list[dict[str, Any]]:
     return [{"env": {"OMP_NUM_THREADS": str(len(c)), "MKL_NUM_THREADS": str(len(c))}, "cpus": c} for c in shares]
 
 
+class Progress:
+    """The progress lines of a local sweep: one per event of a run, numbers from the run directories."""
+
+    def __init__(self, spec: Spec, runs: list[Run], n_slots: int) -> None:
+        self.spec, self.runs, self.slots = spec, runs, n_slots
+        self.lock = threading.Lock()
+        self.live: set[str] = set()  # the runs this process is training
+        self.seen: dict[str, tuple[float | None, int]] = {}  # rel → (its start-up in s once up, step) as printed
+
+    def started(self, run: Run) -> None:
+        with self.lock:
+            self.live.add(run.rel)
+            self.seen[run.rel] = (None, progress.progress(self.spec.sweep_dir / run.rel)[0])
+            self._print(run, "started")
+
+    def ended(self, run: Run, status: str) -> None:
+        """The run's outcome, with its start-up (seen while it ran)."""
+        with self.lock:
+            self.live.discard(run.rel)
+            up = self.seen.get(run.rel, (None, 0))[0]
+            what = "interrupted" if status == "pending" else status  # (the next sweep resumes it)
+            self._print(run, what + ("" if up is None else f" (start-up {progress.duration(up)})"))
+
+    def poll(self) -> None:
+        """A line for each running run that came up or reached a new checkpoint since the last look."""
+        with self.lock:
+            for rel in list(self.live):
+                run = next(r for r in self.runs if r.rel == rel)
+                now = progress.view(self.spec, run)
+                up, step = self.seen[rel]
+                if up is None and now.up is not None:
+                    self._print(run, f"up after {progress.duration(now.up)}")
+                elif now.step != step:
+                    self._print(run, "checkpoint")
+                self.seen[rel] = (up if up is not None else now.up, now.step)
+
+    def _print(self, run: Run, what: str) -> None:
+        now = time.time()
+        views = [progress.view(self.spec, r) for r in self.runs]
+        mine = next(v for v in views if v.rel == run.rel)
+        log.info("%s", progress.line(mine, what, views, self.slots, now))
+
+
 class LocalExecutor:
     def __init__(self, spec: Spec, max_parallel: int, on_change: Callable[[], None]) -> None:
         if max_parallel < 1:
@@ -70,6 +121,7 @@ class LocalExecutor:
         self.procs: dict[int, subprocess.Popen] = {}
         self.lock = threading.Lock()
         self.results: dict[str, str] = {}
+        self.progress = Progress(spec, spec.runs(), len(self.slots))
 
     def _stop(self, signum: int, _frame: Any) -> None:
         self.stopping.set()
@@ -87,7 +139,7 @@ class LocalExecutor:
             except queue.Empty:
                 return
 
-            def started(proc: subprocess.Popen) -> None:
+            def started(proc: subprocess.Popen, run: Run = run) -> None:
                 if slot["cpus"]:
                     try:  # right after the start, before torch creates its thread pools
                         os.sched_setaffinity(proc.pid, slot["cpus"])
@@ -98,20 +150,19 @@ class LocalExecutor:
                 if self.stopping.is_set():
                     proc.send_signal(signal.SIGTERM)
                 self.on_change()
+                self.progress.started(run)
 
-            log.info("start %s", run.rel)
             # (a fit here never requeues a Slurm job around the sweep: the sweep decides what runs next)
             status = train(self.spec, run, env=slot["env"], started=started, extra=["--cluster.requeue=false"])
             with self.lock:
                 self.procs = {pid: p for pid, p in self.procs.items() if p.poll() is None}
                 self.results[run.rel] = status
+            self.on_change()
+            self.progress.ended(run, status)
             if status in ("failed", "diverged"):
                 record = read_json(self.spec.sweep_dir / run.rel / RUN_RECORD) or {}
                 log.warning("%s %s: %s (log: %s)", run.rel, status, record.get("error"),
                             self.spec.sweep_dir / run.rel / LOG_FILE)
-            else:
-                log.info("%s: %s", run.rel, status)
-            self.on_change()
 
     def run(self, runs: list[Run]) -> dict[str, str]:
         """Train `runs` (those not finished), at most len(slots) at once; returns each one's status."""
@@ -123,9 +174,13 @@ class LocalExecutor:
             threads = [threading.Thread(target=self._worker, args=(slot, todo), daemon=True) for slot in self.slots]
             for t in threads:
                 t.start()
+            last_poll = time.monotonic()
             for t in threads:
                 while t.is_alive():
                     t.join(0.5)  # a timed join lets the main thread take signals
+                    if time.monotonic() - last_poll >= POLL_SECONDS:
+                        self.progress.poll()
+                        last_poll = time.monotonic()
         finally:
             for s, handler in previous.items():
                 signal.signal(s, handler)

@@ -61,15 +61,13 @@ def counts(state: dict) -> str:
 
 
 def status_table(spec: Spec, runs: list[Run]) -> str:
-    """`--status`: every run's state, step and final metric (as far as it got)."""
+    """`--status`: every run's state, step, time and final metric (as far as it got), and the sweep's ETA —
+    the numbers a local sweep's progress lines show."""
+    from training.sweep.progress import table
+
     state = write_state(spec, runs, with_metric=True)
-    rows = [["run", "status", "step", spec.metric]]
-    for r in state["runs"]:
-        rows.append([r["run_dir"], r["status"], str(r["step"]),
-                     "-" if r["metric"] is None else f"{r['metric']:.4f}"])
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in rows]
-    return "\n".join(lines) + f"\n{counts(state)} — {Path(spec.sweep_dir) / 'sweep.json'}\n"
+    metrics = {r["run_dir"]: r["metric"] for r in state["runs"]}
+    return table(spec, runs, metrics) + f"{Path(spec.sweep_dir) / 'sweep.json'}\n"
 
 
 def dry_run(spec: Spec, runs: list[Run]) -> str:

@@ -6,12 +6,15 @@ Nothing here is trusted that a `kill -9` could leave stale. A run's facts live i
 - `sweep-run.json`, written atomically by whoever trains it (training/sweep/launch.py): the exact command, the
   hashes of its `-c` files, and the outcome of its last attempt (running with a pid and host, finished,
   diverged, failed).
-A run is `finished` once a complete checkpoint has reached max_steps (or its last attempt exited finished),
-`diverged` / `failed` as its last attempt ended, `running` while the recorded process lives, and `pending`
-otherwise (never started, or interrupted: the next sweep resumes it from its newest checkpoint).
+A run is `running` while the recorded process lives (on this host also past its last checkpoint, while it
+validates and exits), `finished` once a complete checkpoint has reached max_steps (or its last attempt exited
+finished), `diverged` / `failed` as its last attempt ended, and `pending` otherwise (never started, or
+interrupted: the next sweep resumes it from its newest checkpoint).
 
 `sweep.json` (the interface with the report, training/sweep/report.py) is a summary of these facts, rewritten
-atomically under a file lock by the local runner and by every Slurm task on each change.
+atomically under a file lock by the local runner and by every Slurm task on each change. It is written before any
+run starts, so a run's own `fit` finds its place in the sweep there (`sweep_run_of`: its trackers name and group
+it by it, training/loggers.py).
 """
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ import socket
 import subprocess
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -123,12 +127,15 @@ def run_status(run_dir: Path) -> tuple[str, int, dict[str, Any] | None]:
     record = read_json(run_dir / RUN_RECORD)
     step, max_steps = progress(run_dir)
     outcome = (record or {}).get("status")
-    if (max_steps is not None and max_steps > 0 and step >= max_steps) or outcome == "finished":
+    reached = max_steps is not None and max_steps > 0 and step >= max_steps
+    # A live process on this host is running, also past its last checkpoint (while it validates and exits); one
+    # elsewhere only until its last checkpoint (squeue, its evidence, may be missing).
+    if outcome == "running" and (not reached or record.get("host") == socket.gethostname()) and _alive(record):
+        return "running", step, record
+    if reached or outcome == "finished":
         return "finished", step, record
     if outcome in ("diverged", "failed"):
         return outcome, step, record
-    if outcome == "running" and _alive(record):
-        return "running", step, record
     return "pending", step, record
 
 
@@ -169,3 +176,50 @@ def write_state(spec: Spec, runs: list[Run], with_metric: bool = False) -> dict[
     with locked(spec.sweep_dir / ".state.lock"):
         write_json(spec.sweep_dir / STATE_FILE, state)
     return state
+
+
+@dataclass(frozen=True)
+class SweepRun:
+    """A run directory's place in its sweep: what the trackers show of it."""
+
+    sweep: str  # the sweep's name
+    sweep_dir: Path
+    cell: str
+    seed: int
+    params: dict[str, Any]  # the cell's values of the axes (dotted keys)
+    domains: dict[str, list[Any]]  # every value each axis takes in the sweep, and "seed"'s
+    metric: str  # what the report judges
+
+    @property
+    def title(self) -> str:
+        """`<cell>/s<seed>`, as the run's directory under the sweep's."""
+        return f"{self.cell}/s{self.seed}"
+
+
+def sweep_run_of(run_dir: Path) -> SweepRun | None:
+    """The sweep `run_dir` is a run of (its `sweep.json` is in a directory above and lists it), or None."""
+    run_dir = Path(run_dir).absolute()
+    for parent in run_dir.parents:
+        state = read_json(parent / STATE_FILE)
+        if state is None:
+            continue
+        rel = run_dir.relative_to(parent).as_posix()
+        runs = state.get("runs") or []
+        entry = next((r for r in runs if r.get("run_dir") == rel), None)
+        if entry is None:
+            return None
+        domains = {axis: _distinct([r["params"][axis] for r in runs if axis in r.get("params", {})])
+                   for axis in state.get("axes") or []}
+        return SweepRun(sweep=state["name"], sweep_dir=parent, cell=entry["cell"], seed=entry["seed"],
+                        params=entry["params"], domains={**domains, "seed": list(state.get("seeds") or [])},
+                        metric=state.get("metric") or "val/loss")
+    return None
+
+
+def _distinct(values: list[Any]) -> list[Any]:
+    """`values` without repeats, in order (values may be lists: compared, not hashed)."""
+    out: list[Any] = []
+    for value in values:
+        if value not in out:
+            out.append(value)
+    return out

@@ -45,6 +45,7 @@ from training.errors import UserError, is_user_error
 from training.lit_module import lit_lm
 from training.loggers import LOGGERS, RecordLoggerRuns, run_loggers
 from training.optim import OptimConfig
+from training.run_lock import RunLock, acquire, is_first_rank
 from training.strategy import default_precision, is_deepspeed, resolve_strategy  # registers zeroN
 from training.subcommands import LIGHTNING_SUBCOMMANDS
 
@@ -57,11 +58,27 @@ def run_dir(runs_dir: str, name: str) -> str:
     return str(Path(runs_dir) / name)
 
 
+def check_name(name: str) -> None:
+    """`--name` is a path inside `--runs_dir`: not absolute, no `..`, not empty."""
+    path = Path(name)
+    if path.is_absolute() or ".." in path.parts or not path.parts:
+        raise UserError(f"--name {name!r}: a run's name is a path inside --runs_dir (e.g. `base`, `lr/s0`), not "
+                        "absolute, without `..` and not empty; choose where runs go with --runs_dir")
+
+
 class NormlabCLI(LightningCLI):
     """`normlab fit | validate | test`; `args` as on the command line (None: sys.argv)."""
 
     def __init__(self, args: list[str] | None = None) -> None:
         self.plan: RunPlan | None = None  # set before the classes are built (before_instantiate_classes)
+        self.lock: RunLock | None = None  # the run directory's, held by the job's first rank while it runs
+        try:
+            self._run_cli(args)
+        finally:
+            if self.lock is not None:
+                self.lock.release()
+
+    def _run_cli(self, args: list[str] | None) -> None:
         super().__init__(
             lit_lm,
             TokenDataModule,
@@ -123,7 +140,14 @@ class NormlabCLI(LightningCLI):
         # Which checkpoint to load, whether this fit starts a branch, what to record: decided once, here
         # (training/checkpointing/plan.py); the hooks below only apply the plan.
         config = self.config[self.subcommand]
-        self.plan = plan(self.subcommand, config.ckpt_path, config.branch_from, config.trainer.default_root_dir)
+        check_name(config.name)
+        root = config.trainer.default_root_dir
+        if is_first_rank():  # one writer per run directory (training/run_lock.py), before anything reads it
+            self.lock = acquire(root, f"normlab {self.subcommand}")
+        self.plan = plan(self.subcommand, config.ckpt_path, config.branch_from, root)
+        # (The first rank only: the others may start after it wrote its own config.yaml.)
+        if self.subcommand == "fit" and config.ckpt_path is None and is_first_rank():
+            resume.check_no_logged_run(root)
         # The recorded config (config.yaml, and per checkpoint) is what reruns this run: a resume records the
         # checkpoint it resolved, a branch its --branch_from with the --ckpt_path given (not its parent's path).
         config.ckpt_path = self.plan.recorded_ckpt_path

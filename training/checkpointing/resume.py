@@ -1,7 +1,8 @@
 """What a resume (or a cooldown branch, training/checkpointing/branch.py) checks before any weight is loaded:
 each failure names the checkpoint and the fix.
 
-- a new run must not write over another run's checkpoints (`check_fresh_run`);
+- a new run must not write over another run's checkpoints (`check_fresh_run`), nor over the config and logs of a
+  run that stopped before its first checkpoint (`check_no_logged_run`);
 - a DeepSpeed directory resumes under DeepSpeed, a Lightning file without it (`check_format`);
 - the checkpoint is whole (every file the manifest lists, at its size and sha256), holds no pickled code
   (training/checkpointing/safe.py), and was written with this model config and tokenizer (`check_resume`;
@@ -18,7 +19,14 @@ from typing import Any
 
 from lightning.pytorch import LightningModule, Trainer
 
-from training.checkpointing.layout import MODEL_CONFIG_FILE, complete_checkpoints, config_hash, file_hash
+from training.checkpointing.layout import (
+    CONFIG_FILE,
+    MODEL_CONFIG_FILE,
+    checkpoints_dir,
+    complete_checkpoints,
+    config_hash,
+    file_hash,
+)
 from training.checkpointing.manifest import CheckpointError, Manifest, verify_files
 from training.checkpointing.safe import refuse_code
 
@@ -33,6 +41,23 @@ def check_fresh_run(run_dir: str | Path) -> None:
             f"{run_dir} already holds checkpoints (newest: {found[-1].name}). Resume it with `--ckpt_path last`, "
             f"or start a new run with `--name <new name>`."
         )
+
+
+def check_no_logged_run(run_dir: str | Path) -> None:
+    """A new fit must not replace the config.yaml and hide the TensorBoard curves of a run that logged but saved no
+    checkpoint (it stopped before its first save, or checkpoints are off): a fresh start there is asked for by
+    `--ckpt_path last`, never implied."""
+    run_dir = Path(run_dir)
+    found = [name for name, present in (
+        (CONFIG_FILE, (run_dir / CONFIG_FILE).is_file()),
+        ("TensorBoard events", any(run_dir.glob("events.out.tfevents.*"))),
+        ("incomplete checkpoints", checkpoints_dir(run_dir).is_dir() and any(checkpoints_dir(run_dir).iterdir())),
+    ) if present]
+    if found:
+        raise CheckpointError(
+            f"{run_dir} already holds a run ({', '.join(found)}; no complete checkpoint). Continue it with "
+            "`--ckpt_path last` (from step 0, replacing its config and curves), or start a new run with "
+            "`--name <new name>`.")
 
 
 def check_format(ckpt_path: str, deepspeed: bool) -> None:

@@ -40,7 +40,7 @@ from training.callbacks.summary import log_closing_lines, with_norm_summary
 from training.checkpointing import branch, init_from, layout, resume
 from training.checkpointing.manifest import Manifest
 from training.checkpointing.plan import RunPlan, plan
-from training.checkpointing.safe import SafeCheckpointIO, no_code_from_checkpoints
+from training.checkpointing.safe import SafeCheckpointIO, no_code_from_checkpoints, refuse_code
 from training.errors import UserError, is_user_error
 from training.lit_module import lit_lm
 from training.loggers import LOGGERS, RecordLoggerRuns, run_loggers
@@ -205,7 +205,18 @@ class NormlabCLI(LightningCLI):
         if Path(self.datamodule.path).resolve() != Path(DEFAULT_OUTPUT).resolve():  # (that one is built on use)
             _ = self.datamodule.meta  # a DataError naming the path and the `normlab prepare` command
 
-    before_validate = before_test = _check_inputs
+    def _check_checkpoint(self) -> None:
+        """`validate | test`: the checkpoint is checked as a resume's is (fit: `StepCheckpoint.setup`) — every file
+        against its manifest (sizes, sha256), the model config and tokenizer, no pickled code — before any of it
+        is read."""
+        self._check_inputs()
+        ckpt_dir = layout.ckpt_dir_of(self.plan.load_path) if self.plan.load_path else None
+        if ckpt_dir is not None and (ckpt_dir / layout.MANIFEST).is_file():
+            resume.check_settings(ckpt_dir, self.model.config.to_dict(), self.datamodule.tokenizer_path,
+                                  action=self.subcommand)
+            refuse_code(ckpt_dir)
+
+    before_validate = before_test = _check_checkpoint
 
     def _check_branch(self, parent: branch.Parent) -> None:
         """The resume checks against a branch's parent: one error line, before anything is written."""

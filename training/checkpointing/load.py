@@ -25,7 +25,7 @@ import yaml
 
 from model import ModelConfig, Transformer
 from training.checkpointing.layout import CONFIG_FILE, LIGHTNING_FILE, MODEL_CONFIG_FILE
-from training.checkpointing.manifest import MANIFEST, CheckpointError, Manifest, verify_files
+from training.checkpointing.manifest import MANIFEST, CheckpointError, read_verified
 from training.checkpointing.safe import no_code_from_checkpoints, safe_torch_load
 
 log = logging.getLogger(__name__)
@@ -121,8 +121,7 @@ def _build(config: dict[str, Any], state: dict[str, torch.Tensor], where: Path) 
 
 
 def _load_step_dir(ckpt_dir: Path) -> Loaded:
-    manifest = Manifest.read(ckpt_dir)  # a corrupt manifest is a CheckpointError that says so
-    verify_files(ckpt_dir, manifest)  # sizes and hashes, before anything is unpickled
+    manifest = read_verified(ckpt_dir)  # sizes and hashes, before anything is unpickled
     if not (ckpt_dir / MODEL_CONFIG_FILE).is_file():
         raise CheckpointError(f"'{ckpt_dir}' has no {MODEL_CONFIG_FILE}: it was not written by normlab")
     config = _read_json(ckpt_dir / MODEL_CONFIG_FILE)

@@ -27,7 +27,7 @@ from training.checkpointing.layout import (
     config_hash,
     file_hash,
 )
-from training.checkpointing.manifest import CheckpointError, Manifest, verify_files
+from training.checkpointing.manifest import CheckpointError, Manifest, read_verified
 from training.checkpointing.safe import refuse_code
 
 log = logging.getLogger(__name__)
@@ -97,19 +97,19 @@ def check_fits(ckpt_dir: Path, model_config: dict[str, Any], tokenizer_path: Pat
 def check_settings(ckpt_dir: Path, model_config: dict[str, Any], tokenizer_path: Path | None,
                    action: str = "resume") -> Manifest:
     """The checks of `check_fits` that read no pickle: the files are as saved, the model config and the tokenizer
-    are the run's. Returns the manifest."""
-    manifest = Manifest.read(ckpt_dir)
-    verify_files(ckpt_dir, manifest)
+    are the run's (`action`: also "validate", "test"). Returns the manifest."""
+    manifest = read_verified(ckpt_dir)
     config_file = ckpt_dir / MODEL_CONFIG_FILE
     if config_file.is_file():
         saved = _as_today(json.loads(config_file.read_text()))
         if config_hash(saved) != config_hash(model_config):
             diff = ", ".join(f"{k}: {saved.get(k)!r} → {model_config.get(k)!r}"
                              for k in sorted(set(saved) | set(model_config)) if saved.get(k) != model_config.get(k))
-            fix = ("A branch continues its parent's model: use the parent's model config (see its "
-                   "model_config.json)" if action != "resume" else
-                   "Resume with the checkpoint's model config (see its model_config.json), or start a new run "
-                   "with --name")
+            fix = {"resume": "Resume with the checkpoint's model config (see its model_config.json), or start a new "
+                             "run with --name",
+                   "branch from": "A branch continues its parent's model: use the parent's model config (see its "
+                                  "model_config.json)"}.get(action, "Give the checkpoint's model config (see its "
+                                                                    "model_config.json)")
             raise CheckpointError(f"cannot {action} {ckpt_dir}: the model config changed ({diff}). {fix}")
     saved_tok = manifest.tokenizer_hash
     current_tok = file_hash(tokenizer_path)

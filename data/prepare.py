@@ -346,7 +346,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     except DataError as e:
         print(f"normlab prepare: error: {e}", file=sys.stderr)
-        return 1
+        return 2  # bad input, as every normlab command reports it (and as argparse's usage errors)
     _print_summary(output, time.perf_counter() - start)
     return 0
 

@@ -354,7 +354,7 @@ def test_hub_dataset_from_the_local_cache(tmp_path: Path, monkeypatch: pytest.Mo
 
 
 def test_cli_reports_errors_on_stderr(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["--input", str(tmp_path / "missing"), "--output", str(tmp_path / "out")]) == 1
+    assert main(["--input", str(tmp_path / "missing"), "--output", str(tmp_path / "out")]) == 2
     assert "normlab prepare: error: input path" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["--input", str(tmp_path)])  # --output is required with inputs

@@ -21,6 +21,7 @@ Defaults: configs/default.yaml (the default job), then `-c` files in order, then
 """
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any, Literal, Optional
 
@@ -32,7 +33,7 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveCon
 
 from data.datamodule import TokenDataModule
 from data.prepare import DEFAULT_OUTPUT
-from training import compat
+from training import cli_checks, compat
 from training.callbacks import NonFiniteGuard, RNGState, StepCheckpoint, Throughput, TrainingHealth
 from training.callbacks.downstream import DownstreamEval
 from training.callbacks.progress import step_counting
@@ -43,7 +44,7 @@ from training.checkpointing.plan import RunPlan, plan
 from training.checkpointing.safe import SafeCheckpointIO, no_code_from_checkpoints, refuse_code
 from training.errors import UserError, is_user_error
 from training.lit_module import lit_lm
-from training.loggers import LOGGERS, RecordLoggerRuns, run_loggers
+from training.loggers import LOGGERS, RecordLoggerRuns, run_loggers, start_wandb
 from training.optim import OptimConfig
 from training.run_lock import RunLock, acquire, is_first_rank
 from training.strategy import default_precision, is_deepspeed, resolve_strategy  # registers zeroN
@@ -79,6 +80,7 @@ class NormlabCLI(LightningCLI):
                 self.lock.release()
 
     def _run_cli(self, args: list[str] | None) -> None:
+        cli_checks.check_config_files(sys.argv[1:] if args is None else args)
         super().__init__(
             lit_lm,
             TokenDataModule,
@@ -140,6 +142,7 @@ class NormlabCLI(LightningCLI):
         # Which checkpoint to load, whether this fit starts a branch, what to record: decided once, here
         # (training/checkpointing/plan.py); the hooks below only apply the plan.
         config = self.config[self.subcommand]
+        cli_checks.check_trainer(self.subcommand, config.trainer, config.optim)
         check_name(config.name)
         root = config.trainer.default_root_dir
         if is_first_rank():  # one writer per run directory (training/run_lock.py), before anything reads it
@@ -215,6 +218,7 @@ class NormlabCLI(LightningCLI):
             resume.check_settings(ckpt_dir, self.model.config.to_dict(), self.datamodule.tokenizer_path,
                                   action=self.subcommand)
             refuse_code(ckpt_dir)
+        start_wandb(self.trainer.loggers)
 
     before_validate = before_test = _check_checkpoint
 
@@ -239,10 +243,13 @@ class NormlabCLI(LightningCLI):
         elif self.plan.parent is None and self._init_source is not None:
             source = init_from.attach(self.model, self.trainer, self.datamodule, self._init_source)
         for callback in self.trainer.callbacks:
+            if isinstance(callback, DownstreamEval):
+                callback.load_tasks()  # an unknown task: one line, before the logger writes the run directory
             if isinstance(callback, StepCheckpoint):
                 callback.resume_from = self.plan.load_path  # checked against the run before anything loads
                 callback.branched_from = self.plan.lineage
                 callback.init_from = source
+        start_wandb(self.trainer.loggers)  # last: every check above passed
 
     def after_fit(self) -> None:
         log_closing_lines(self.trainer, Path(self.trainer.default_root_dir) / layout.CONFIG_FILE)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
+import pickle
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,7 +27,7 @@ import yaml
 from model import ModelConfig, Transformer
 from training.checkpointing.layout import CONFIG_FILE, LIGHTNING_FILE, MODEL_CONFIG_FILE
 from training.checkpointing.manifest import MANIFEST, CheckpointError, read_verified
-from training.checkpointing.safe import no_code_from_checkpoints, safe_torch_load
+from training.checkpointing.safe import no_code_from_checkpoints, refusal, safe_torch_load
 
 log = logging.getLogger(__name__)
 
@@ -150,9 +151,21 @@ def _load_export_dir(path: Path) -> Loaded:
 
     from model.hf_compat import from_hf
 
-    hf = transformers.AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=torch.float32)
+    try:
+        hf = transformers.AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=torch.float32)
+    except (OSError, ValueError, KeyError, pickle.UnpicklingError) as err:
+        raise _hf_refusal(path, err) from None
     step = _read_json(path / "config.json").get("normlab_step")
     return Loaded(from_hf(hf), step, None, {}, tokenizer, "Hugging Face export")
+
+
+def _hf_refusal(path: Path, err: Exception) -> CheckpointError:
+    """One line for a Hugging Face directory transformers could not load (a pickled weights file that names a type
+    outside tensors — refused weights-only, never run — a missing file, a config it does not know)."""
+    if isinstance(err, pickle.UnpicklingError):  # transformers reads pytorch_model.bin weights-only
+        return refusal(path, err)
+    message = " ".join(str(err).split())
+    return CheckpointError(f"cannot load the Hugging Face model in '{path}' ({type(err).__name__}: {message[:300]})")
 
 
 def _load_file(path: Path) -> Loaded:

@@ -20,6 +20,7 @@ Three entry points:
 """
 from __future__ import annotations
 
+import os
 import pickle
 import re
 import sys
@@ -60,7 +61,7 @@ class UnsafeCheckpointError(CheckpointError):
 _GLOBAL = re.compile(r"GLOBAL (\S+)|global[s]?:? \[?['\"]?([\w.]+)")
 
 
-def _refusal(path: Any, err: Exception) -> CheckpointError:
+def refusal(path: Any, err: Exception) -> CheckpointError:
     """One line for a file the restricted unpickler refused (`err`), naming the file and the type."""
     found = _GLOBAL.search(str(err))
     what = next(g for g in found.groups() if g) if found else str(err).strip().splitlines()[-1][:200]
@@ -84,7 +85,7 @@ def refuse_code(ckpt_dir: Path) -> None:
                 raise CheckpointError(f"cannot read '{path}': it is truncated or not a checkpoint ({err}); use "
                                       "another checkpoint, e.g. the previous step directory") from err
         if unsafe:
-            raise _refusal(path, ValueError(f"GLOBAL {unsafe[0]}"))
+            raise refusal(path, ValueError(f"GLOBAL {unsafe[0]}"))
 
 
 @contextmanager
@@ -94,13 +95,31 @@ def allowed_types() -> Iterator[None]:
         yield
 
 
+# How a file torch.save wrote begins: a zip archive (the default format), or a pickle (the legacy one).
+_TORCH_MAGIC = (b"PK\x03\x04", b"\x80")
+
+
+def _check_is_torch_file(path: Any) -> None:
+    """A file that is no torch checkpoint at all (a YAML file given as one) is named as such, before torch's
+    weights-only unpickler reports it as an unsupported pickle (which would read as "it could run code")."""
+    if not isinstance(path, (str, os.PathLike)) or not Path(path).is_file():
+        return
+    with open(path, "rb") as f:
+        head = f.read(4)
+    if not any(head.startswith(magic) for magic in _TORCH_MAGIC):
+        raise CheckpointError(f"'{path}' is not a checkpoint file (it is neither a zip archive nor a pickle, as "
+                              "torch.save writes them); give a step directory (<run>/checkpoints/step-XXXXXXXX), the "
+                              "model.ckpt inside one, or `last`")
+
+
 def _load(load: Callable[..., Any], f: Any, *args: Any, **kwargs: Any) -> Any:
     kwargs["weights_only"] = True  # whatever the caller asked for
+    _check_is_torch_file(f)
     with allowed_types():
         try:
             return load(f, *args, **kwargs)
         except pickle.UnpicklingError as err:
-            raise _refusal(getattr(f, "name", f), err) from None
+            raise refusal(getattr(f, "name", f), err) from None
 
 
 def safe_torch_load(path: str | Path, map_location: Any = "cpu", mmap: bool = False) -> Any:

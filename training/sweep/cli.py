@@ -59,6 +59,8 @@ def main(argv: list[str] | None = None) -> int:
         args = parser().parse_args(argv)
     except argparse.ArgumentError as err:
         raise UserError(str(err)) from err
+    if args.max_parallel < 1:  # (before anything is written into the sweep directory)
+        raise UserError(f"--max_parallel {args.max_parallel} must be >= 1")
     spec = load_spec(args.spec)
     runs = spec.runs()
     if args.dry_run:

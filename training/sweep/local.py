@@ -62,8 +62,6 @@ def slots(max_parallel: int) -> list[dict[str, Any]]:
 
 class LocalExecutor:
     def __init__(self, spec: Spec, max_parallel: int, on_change: Callable[[], None]) -> None:
-        if max_parallel < 1:
-            raise UserError(f"--max_parallel {max_parallel} must be >= 1")
         self.spec, self.on_change = spec, on_change
         self.slots = slots(max_parallel)
         self.stopping = threading.Event()

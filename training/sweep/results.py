@@ -59,8 +59,21 @@ def read_run(run_dir: Path) -> dict[str, Any]:
     scalars = {tag: sorted({e.step: e.value for e in sorted(acc.Scalars(tag), key=lambda e: e.wall_time)}.items())
                for tag in acc.Tags()["scalars"]}
     found = complete_checkpoints(run_dir)
-    return {"dir": run_dir, "config": flatten(yaml.safe_load((run_dir / "config.yaml").read_text()) or {}),
+    return {"dir": run_dir, "config": flatten(_run_config(run_dir / "config.yaml")),
             "scalars": scalars, "manifest": Manifest.read(found[-1]) if found else None}
+
+
+def _run_config(path: Path) -> dict[str, Any]:
+    """A run's config.yaml as a mapping; a damaged one is one UserError naming it."""
+    try:
+        config = yaml.safe_load(path.read_text()) or {}
+    except (UnicodeDecodeError, yaml.YAMLError) as err:
+        raise UserError(f"'{path}' is not a readable config ({type(err).__name__}: {' '.join(str(err).split())}); "
+                        "restore it from a checkpoint's copy (checkpoints/step-*/config.yaml)") from None
+    if not isinstance(config, dict):
+        raise UserError(f"'{path}' holds a YAML {type(config).__name__}, not a run's config; restore it from a "
+                        "checkpoint's copy (checkpoints/step-*/config.yaml)")
+    return config
 
 
 def plain_tags(tags: Iterable[str]) -> list[str]:
@@ -131,3 +144,4 @@ def result(cell: str, params: dict[str, Any], seed: Any, run_dir: Path, status: 
                      final if outcome != "diverged" else math.nan, final_step, steps, steps * per_step,
                      losses[0] if losses else math.nan,
                      {tag: s[tag] for tag in (TRAIN_LOSS, metric) if tag in s}, per_step)
+

@@ -4,8 +4,11 @@ something else than asked). Each failure is one UserError naming the flag or fil
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +19,9 @@ from training.errors import UserError
 log = logging.getLogger(__name__)
 
 _CONFIG_FLAGS = ("-c", "--config")
+# {-c value: sha256} a sweep recorded for the run it starts (training/sweep/launch.py): the fit refuses a file that no
+# longer has its hash, so the run's record always says what it read, even when a file is edited as it starts.
+CONFIG_HASHES_ENV = "NORMLAB_CONFIG_SHA256"
 
 
 def config_files(argv: list[str]) -> list[str]:
@@ -30,14 +36,19 @@ def config_files(argv: list[str]) -> list[str]:
 
 
 def check_config_files(argv: list[str]) -> None:
-    """Every `-c FILE` that names a file holds a YAML mapping of UTF-8 text. (A value that is not a file is left to
-    the parser, which also takes inline YAML there.)"""
+    """Every `-c FILE` that names a file holds a YAML mapping of UTF-8 text, and has the sha256 a sweep recorded
+    for it when it started this run (`CONFIG_HASHES_ENV`, set by training/sweep/launch.py), if any. (A value that
+    is not a file is left to the parser, which also takes inline YAML there.)"""
+    expected = json.loads(os.environ.get(CONFIG_HASHES_ENV) or "{}")
     for name in config_files(argv):
         path = Path(name)
         if not path.is_file():
             continue
         where = f"-c {name}"
         data = path.read_bytes()
+        if name in expected and hashlib.sha256(data).hexdigest() != expected[name]:
+            raise UserError(f"{where} was edited after `normlab sweep` recorded this run's config: a sweep trains "
+                            "one config; restore the file, or give the edited spec a new name")
         try:
             text = data.decode("utf-8")
         except UnicodeDecodeError as err:

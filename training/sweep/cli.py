@@ -49,6 +49,9 @@ def report(sweep_dir: Path, out: Path | None) -> int:
                         "(training/sweep/report.py is missing)") from err
     if not (sweep_dir / "sweep.json").is_file():
         raise UserError(f"'{sweep_dir}' has no sweep.json: run the sweep first (normlab sweep SPEC.yaml)")
+    from training.sweep.results import check_one_config_per_cell
+
+    check_one_config_per_cell(sweep_dir, module.load_sweep(sweep_dir)["runs"])
     path = module.write_report(sweep_dir, out)
     sys.stdout.write(f"report: {path}\n")
     return 0

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 from training.errors import UserError
-from training.sweep.launch import train
+from training.sweep.launch import Snapshot, train
 from training.sweep.spec import Run, Spec
 from training.sweep.state import LOG_FILE, RUN_RECORD, read_json
 
@@ -61,8 +61,14 @@ def slots(max_parallel: int) -> list[dict[str, Any]]:
 
 
 class LocalExecutor:
-    def __init__(self, spec: Spec, max_parallel: int, on_change: Callable[[], None]) -> None:
-        self.spec, self.on_change = spec, on_change
+    """Trains runs on this machine. With a `snapshot` (launch.Snapshot), each run is checked against it right
+    before it starts and trains with its `-c` hashes: a changed config starts neither that run nor any later one
+    (the runs already started go on), and the refusal is kept in `refused`."""
+
+    def __init__(self, spec: Spec, max_parallel: int, on_change: Callable[[], None],
+                 snapshot: Snapshot | None = None) -> None:
+        self.spec, self.on_change, self.snapshot = spec, on_change, snapshot
+        self.refused: UserError | None = None
         self.slots = slots(max_parallel)
         self.stopping = threading.Event()
         self.procs: dict[int, subprocess.Popen] = {}
@@ -97,8 +103,17 @@ class LocalExecutor:
                     proc.send_signal(signal.SIGTERM)
                 self.on_change()
 
+            try:
+                if self.snapshot is not None:
+                    self.snapshot.check(run)
+            except UserError as err:
+                with self.lock:
+                    self.refused = self.refused or err
+                self.stopping.set()
+                return
             log.info("start %s", run.rel)
-            status = train(self.spec, run, env=slot["env"], started=started)
+            status = train(self.spec, run, env=slot["env"], started=started,
+                           hashes=None if self.snapshot is None else self.snapshot.hashes)
             with self.lock:
                 self.procs = {pid: p for pid, p in self.procs.items() if p.poll() is None}
                 self.results[run.rel] = status

@@ -198,8 +198,9 @@ class NormlabCLI(LightningCLI):
         writes anything into the run directory (a failed start leaves no stray run behind)."""
         if self.plan.load_path:
             resume.check_format(self.plan.load_path, is_deepspeed(self.trainer.strategy))
-            if type(self.trainer.strategy.checkpoint_io) is TorchCheckpointIO:  # (a user's own IO plugin is kept)
-                self.trainer.strategy.checkpoint_io = SafeCheckpointIO()  # reads model.ckpt weights-only
+        if type(self.trainer.strategy.checkpoint_io) is TorchCheckpointIO:  # (a user's own IO plugin is kept)
+            # model.ckpt read weights-only, and written beside its destination (not staged in $TMPDIR)
+            self.trainer.strategy.checkpoint_io = SafeCheckpointIO()
         if is_deepspeed(self.trainer.strategy):
             # DeepSpeed's sample counters read the micro-batch size (it does not change the math). Lightning would
             # take it from the loader's batch_sampler, which normlab's loaders (whole batches) do not have; the

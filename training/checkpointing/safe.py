@@ -155,12 +155,37 @@ def no_code_from_checkpoints() -> Iterator[None]:
 
 
 class SafeCheckpointIO(TorchCheckpointIO):
-    """Lightning's checkpoint IO (`fit/validate/test --ckpt_path` of a `model.ckpt`), reading weights-only."""
+    """Lightning's checkpoint IO for `model.ckpt` (without DeepSpeed), reading weights-only and writing through a
+    temporary file beside the destination.
+
+    Lightning's own save serializes the whole checkpoint into memory, then has fsspec stage it in a temporary
+    file under $TMPDIR before moving it into place: a node whose /tmp is smaller than one checkpoint cannot save
+    at all, and its disk-full error names the runs disk. Here the file goes to `.<name>.tmp` in its own directory
+    (the same filesystem, whose free space the save's error reports), is fsynced and renamed over the name."""
 
     def load_checkpoint(self, path: Any, map_location: Any = None, weights_only: bool | None = None) -> Any:
         if not Path(path).is_file():
             raise CheckpointError(f"checkpoint '{path}' not found")
         return safe_torch_load(path, map_location=map_location or "cpu")
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
+        if storage_options is not None:
+            raise TypeError(f"{type(self).__name__}.save_checkpoint takes no storage_options (a local file only), "
+                            f"got {storage_options!r}")
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.tmp")
+        try:
+            torch.save(checkpoint, tmp)
+            fd = os.open(tmp, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)  # (a full disk gets its space back)
+            raise
 
 
 def _ds_to_universal(argv: list[str]) -> None:

@@ -66,10 +66,10 @@ def check_config_files(argv: list[str]) -> None:
                             "`optim: {lr: 0.001}`)")
 
 
-def check_trainer(subcommand: str, trainer: Any, optim: Any) -> None:
+def check_trainer(subcommand: str, trainer: Any, optim: Any, warn: bool = True) -> None:
     """The `trainer.*` values (and their interplay with `optim.*`) that Lightning accepts but normlab cannot run:
     no steps, no micro-batches per step, a negative clip (Lightning reads it as "no clipping"), a schedule with no
-    end. A warm-up that the run never finishes is trained as given, with a warning."""
+    end. A warm-up that the run never finishes is trained as given, with a warning (when `warn`: one rank says it)."""
     accumulate = trainer.accumulate_grad_batches
     if not (isinstance(accumulate, int) and accumulate >= 1):
         raise UserError(f"--trainer.accumulate_grad_batches {accumulate} must be an integer >= 1 (micro-batches per "
@@ -85,7 +85,7 @@ def check_trainer(subcommand: str, trainer: Any, optim: Any) -> None:
     if optim.decay_steps is None and max_steps == -1 and trainer.max_epochs == -1:
         raise UserError("--trainer.max_steps -1 with --trainer.max_epochs -1 never ends, so the LR schedule has no "
                         "end: set --optim.decay_steps, or a --trainer.max_steps")
-    if optim.decay_steps is None and 0 < max_steps <= optim.warmup_steps < math.inf:
+    if warn and optim.decay_steps is None and 0 < max_steps <= optim.warmup_steps < math.inf:
         log.warning("optim.warmup_steps %d is not below trainer.max_steps %d: the LR never finishes its warm-up "
                     "(it ends at %.3g of optim.lr); lower --optim.warmup_steps to train at the LR given",
                     optim.warmup_steps, max_steps, max_steps / optim.warmup_steps)

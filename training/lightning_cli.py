@@ -142,7 +142,7 @@ class NormlabCLI(LightningCLI):
         # Which checkpoint to load, whether this fit starts a branch, what to record: decided once, here
         # (training/checkpointing/plan.py); the hooks below only apply the plan.
         config = self.config[self.subcommand]
-        cli_checks.check_trainer(self.subcommand, config.trainer, config.optim)
+        cli_checks.check_trainer(self.subcommand, config.trainer, config.optim, warn=is_first_rank())
         check_name(config.name)
         root = config.trainer.default_root_dir
         if is_first_rank():  # one writer per run directory (training/run_lock.py), before anything reads it

@@ -7,7 +7,6 @@ Inputs normlab accepts on purpose are tested where they are documented: a warm-u
 a warning (below), `--data.val_batches 0` validates nothing (tests/test_data_datamodule.py)."""
 from __future__ import annotations
 
-import os
 import shutil
 from pathlib import Path
 
@@ -17,6 +16,7 @@ import torch
 from safetensors.torch import load_file
 
 from tests.helpers.multiproc import REPO
+from tests.test_safe_loading import Payload  # unpickling it runs `touch MARKER`
 from training.checkpointing import layout
 from training.cli import main
 from training.errors import DEBUG_ENV
@@ -111,16 +111,6 @@ ROWS: dict[str, tuple[str, list[str]]] = {
     "export_pickled_hf_weights": ("export --checkpoint {bad}/hf_bin --output {out}/x", ["refusing to load"]),
     "init_from_pickled_hf_weights": (f"{FIT} --init_from {{bad}}/hf_bin", ["--init_from"]),
 }
-
-
-class Payload:
-    """Unpickling this runs a shell command that creates `marker`."""
-
-    def __init__(self, marker: Path) -> None:
-        self.marker = marker
-
-    def __reduce__(self) -> tuple:
-        return os.system, (f"touch {self.marker}",)
 
 
 def spec(text: str) -> str:

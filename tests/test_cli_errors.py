@@ -43,6 +43,13 @@ def taken_run(runs: Path) -> None:
     (ckpt / layout.MANIFEST).write_text(json.dumps({"step": 10, "format": "lightning"}))
 
 
+def logged_run(runs: Path) -> None:
+    """What a fit that stopped before its first checkpoint leaves: its config and TensorBoard events."""
+    (runs / "logged").mkdir(parents=True)
+    (runs / "logged" / layout.CONFIG_FILE).write_text("optim:\n  lr: 0.001\n")
+    (runs / "logged" / "events.out.tfevents.1.host.1.0").write_bytes(b"")
+
+
 def trunk_run(runs: Path) -> None:
     """Checkpoint directories to branch from (`--branch_from`): step 4 of another model (dim 64), step 6 of this
     one, and step 2 interrupted (no manifest). The weights file is never read: the checks refuse first."""
@@ -68,6 +75,11 @@ CASES = {
     "unknown_flag": ("fit --model.dimm 3", ["--model.dimm"]),
     "missing_data": ("fit --data.path {runs}/nothing-here", ["no prepared data at", "normlab prepare"]),
     "run_has_checkpoints": ("fit --name taken", ["already holds checkpoints", "--ckpt_path last"]),
+    "run_logged_without_checkpoints": ("fit --name logged", ["logged already holds a run (config.yaml, TensorBoard "
+                                                             "events; no complete checkpoint)", "--ckpt_path last",
+                                                             "--name <new name>"]),
+    "name_leaves_runs_dir": ("fit --name ../escaped", ["--name '../escaped'", "inside --runs_dir", "`..`"]),
+    "absolute_name": ("fit --name {runs}/abs", ["/abs': a run's name is a path inside --runs_dir", "not absolute"]),
     "missing_ckpt_path": ("fit --ckpt_path {runs}/no-such-step", ["no such checkpoint"]),
     "missing_branch_from": ("fit --name cool --branch_from {runs}/no-such-step",
                             ["--branch_from", "no-such-step: no such checkpoint", "step-XXXXXXXX"]),
@@ -112,6 +124,7 @@ def test_user_error_is_one_line(case, workdir, tmp_path, state_dict_file, capsys
     line, expected = CASES[case]
     runs = tmp_path / "runs"
     taken_run(runs)
+    logged_run(runs)
     trunk_run(runs)
     (runs / "a-file").write_text("not a directory")
     before = files_under(tmp_path)

@@ -125,8 +125,8 @@ def test_two_rank_zero2_in_loop_equals_one_process_on_its_checkpoint(workdir, tm
 
 
 def test_bad_settings_are_one_line(workdir, capsys, monkeypatch):
-    """`fit` with bad downstream settings: exit status 2 and one line (run in this process, through the console
-    script's entry point `training.cli.main`: no process start-up for a refusal)."""
+    """`fit` with bad downstream settings: exit status 2 and one line, and no run directory (run in this process,
+    through the console script's entry point `training.cli.main`: no process start-up for a refusal)."""
     from training.cli import main
 
     monkeypatch.delenv("NORMLAB_DEBUG", raising=False)
@@ -143,3 +143,4 @@ def test_bad_settings_are_one_line(workdir, capsys, monkeypatch):
         err = capsys.readouterr().err
         assert rc == 2 and message in err, err[-2000:]
         assert "Traceback" not in err
+        assert not (workdir / "runs" / "bad").exists()  # nothing written: no events file of a run that never ran

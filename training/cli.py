@@ -16,12 +16,16 @@ both starts and resumes a job. `--branch_from` starts a new run from another run
 """
 from __future__ import annotations
 
+import argparse
 import importlib
 import itertools
 import logging
 import os
 import sys
-from typing import Any
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any, NoReturn
+from unittest import mock
 
 from training import signals
 from training.console import quiet_third_party
@@ -132,10 +136,22 @@ def run_command(command: str, argv: list[str]) -> int:
     if command in COMMANDS:
         check_flag_style(argv[1:])
         module, function = COMMANDS[command][0].split(":")
-        return int(getattr(importlib.import_module(module), function)(argv[1:]) or 0)
+        with usage_errors_as_user_errors(command):
+            return int(getattr(importlib.import_module(module), function)(argv[1:]) or 0)
     sys.stderr.write(f"normlab: unknown command {command!r}; choose one of "
                      f"{[*LIGHTNING_SUBCOMMANDS, *COMMANDS]}\n\n{usage()}")
     return 2
+
+
+@contextmanager
+def usage_errors_as_user_errors(command: str) -> Iterator[None]:
+    """A plain command's argparse error (an invalid choice, a missing argument) is bad input like any other: one
+    error line and exit status 2, instead of argparse's usage text. (`--help` still prints the usage.)"""
+    def error(_parser: argparse.ArgumentParser, message: str) -> NoReturn:
+        raise UserError(f"{message} (normlab {command} --help lists the options)")
+
+    with mock.patch.object(argparse.ArgumentParser, "error", error):
+        yield
 
 
 def check_flag_style(args: list[str]) -> None:

@@ -35,7 +35,7 @@ from training.errors import UserError
 from training.errors import report as report_error
 from training.plotting import pyplot, save_figure
 from training.sweep.results import RunResult, plain_tags, read_run, result, tokens_per_step
-from training.sweep.state import RUN_RECORD  # what `normlab sweep` records of a run's last attempt
+from training.sweep.state import RUN_RECORD, read_json  # what `normlab sweep` records of a run's last attempt
 
 log = logging.getLogger(__name__)
 
@@ -119,10 +119,12 @@ def plot(runs: list[dict[str, Any]], out: Path, metric: str = "val/loss") -> Non
 def status(run: dict[str, Any], metric: str) -> str:
     """finished (a checkpoint at trainer.max_steps), diverged (recorded so by `normlab sweep`, or a non-finite
     train/loss or metric logged), else unfinished."""
-    import json
-
-    record = run["dir"] / RUN_RECORD
-    if record.is_file() and json.loads(record.read_text() or "{}").get("status") == "diverged":
+    path = run["dir"] / RUN_RECORD
+    record = read_json(path) if path.is_file() else {}
+    if record is None:
+        raise UserError(f"'{path}' is not a readable sweep record (a JSON object): restore it, or delete it (it only "
+                        "records how `normlab sweep` last ran this run)")
+    if record.get("status") == "diverged":
         return "diverged"
     if any(not math.isfinite(v) for tag in ("train/loss", metric) for _, v in run["scalars"].get(tag, [])):
         return "diverged"

@@ -2,12 +2,14 @@
 
 A user error is bad input the user can fix — a config value, a path, a checkpoint that does not fit the run.
 `normlab` prints it as `normlab <command>: error: <what> <how to fix>` and exits with status 2, without a
-traceback (`NORMLAB_DEBUG=1` shows it). Anything else is a bug, or an event during training such as a
-non-finite gradient (see callbacks/guard.py), and keeps its traceback.
+traceback (`NORMLAB_DEBUG=1` shows it). A full disk (or quota) is reported the same way, naming the file.
+Anything else is a bug, or an event during training such as a non-finite gradient (see callbacks/guard.py), and
+keeps its traceback.
 """
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import sys
 
@@ -27,6 +29,8 @@ def is_user_error(err: BaseException) -> bool:
 
     if isinstance(err, (UserError, DataError, CheckpointError)):
         return True
+    if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):  # a full disk: free space, rerun
+        return True
     if isinstance(err, argparse.ArgumentError):  # what jsonargparse raises (exit_on_error=False, see lightning_cli)
         return True
     exceptions = sys.modules.get("lightning.fabric.utilities.exceptions")  # loaded with Lightning, never here
@@ -43,5 +47,7 @@ def report(command: str, err: BaseException) -> int:
     if debug():
         raise err
     message = " ".join(line.strip() for line in str(err).splitlines() if line.strip())
+    if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
+        message = f"the disk is full ({message}): free space, then run the command again"
     sys.stderr.write(f"normlab {command}: error: {message}\n")
     return EXIT_USER_ERROR

@@ -24,6 +24,7 @@ Defaults: configs/default.yaml (the default job), then `-c` files in order, then
 from __future__ import annotations
 
 import logging
+import sys
 from pathlib import Path
 from typing import Any, Literal, Optional
 
@@ -35,7 +36,7 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveCon
 
 from data.datamodule import TokenDataModule
 from data.prepare import DEFAULT_OUTPUT
-from training import cluster, compat, signals
+from training import cli_checks, cluster, compat, signals
 from training.callbacks import NonFiniteGuard, RNGState, StepCheckpoint, Throughput, TrainingHealth
 from training.callbacks.downstream import DownstreamEval
 from training.callbacks.progress import step_counting
@@ -45,11 +46,12 @@ from training.checkpointing import branch, init_from, layout, resume
 from training.checkpointing.layout import complete_checkpoints, step_of
 from training.checkpointing.manifest import Manifest
 from training.checkpointing.plan import RunPlan, plan
-from training.checkpointing.safe import SafeCheckpointIO, no_code_from_checkpoints
+from training.checkpointing.safe import SafeCheckpointIO, no_code_from_checkpoints, refuse_code
 from training.errors import UserError, is_user_error
 from training.lit_module import lit_lm
-from training.loggers import LOGGERS, RecordLoggerRuns, run_loggers
+from training.loggers import LOGGERS, RecordLoggerRuns, run_loggers, start_wandb
 from training.optim import OptimConfig
+from training.run_lock import RunLock, acquire, is_first_rank
 from training.strategy import default_precision, is_deepspeed, resolve_strategy  # registers zeroN
 from training.subcommands import LIGHTNING_SUBCOMMANDS
 
@@ -64,11 +66,28 @@ def run_dir(runs_dir: str, name: str) -> str:
     return str(Path(runs_dir) / name)
 
 
+def check_name(name: str) -> None:
+    """`--name` is a path inside `--runs_dir`: not absolute, no `..`, not empty."""
+    path = Path(name)
+    if path.is_absolute() or ".." in path.parts or not path.parts:
+        raise UserError(f"--name {name!r}: a run's name is a path inside --runs_dir (e.g. `base`, `lr/s0`), not "
+                        "absolute, without `..` and not empty; choose where runs go with --runs_dir")
+
+
 class NormlabCLI(LightningCLI):
     """`normlab fit | validate | test`; `args` as on the command line (None: sys.argv)."""
 
     def __init__(self, args: list[str] | None = None) -> None:
         self.plan: RunPlan | None = None  # set before the classes are built (before_instantiate_classes)
+        self.lock: RunLock | None = None  # the run directory's, held by the job's first rank while it runs
+        try:
+            self._run_cli(args)
+        finally:
+            if self.lock is not None:
+                self.lock.release()
+
+    def _run_cli(self, args: list[str] | None) -> None:
+        cli_checks.check_config_files(sys.argv[1:] if args is None else args)
         super().__init__(
             lit_lm,
             TokenDataModule,
@@ -131,7 +150,15 @@ class NormlabCLI(LightningCLI):
         # Which checkpoint to load, whether this fit starts a branch, what to record: decided once, here
         # (training/checkpointing/plan.py); the hooks below only apply the plan.
         config = self.config[self.subcommand]
-        self.plan = plan(self.subcommand, config.ckpt_path, config.branch_from, config.trainer.default_root_dir)
+        cli_checks.check_trainer(self.subcommand, config.trainer, config.optim, warn=is_first_rank())
+        check_name(config.name)
+        root = config.trainer.default_root_dir
+        if is_first_rank():  # one writer per run directory (training/run_lock.py), before anything reads it
+            self.lock = acquire(root, f"normlab {self.subcommand}")
+        self.plan = plan(self.subcommand, config.ckpt_path, config.branch_from, root)
+        # (The first rank only: the others may start after it wrote its own config.yaml.)
+        if self.subcommand == "fit" and config.ckpt_path is None and is_first_rank():
+            resume.check_no_logged_run(root)
         # The recorded config (config.yaml, and per checkpoint) is what reruns this run: a resume records the
         # checkpoint it resolved, a branch its --branch_from with the --ckpt_path given (not its parent's path).
         config.ckpt_path = self.plan.recorded_ckpt_path
@@ -185,8 +212,9 @@ class NormlabCLI(LightningCLI):
         writes anything into the run directory (a failed start leaves no stray run behind)."""
         if self.plan.load_path:
             resume.check_format(self.plan.load_path, is_deepspeed(self.trainer.strategy))
-            if type(self.trainer.strategy.checkpoint_io) is TorchCheckpointIO:  # (a user's own IO plugin is kept)
-                self.trainer.strategy.checkpoint_io = SafeCheckpointIO()  # reads model.ckpt weights-only
+        if type(self.trainer.strategy.checkpoint_io) is TorchCheckpointIO:  # (a user's own IO plugin is kept)
+            # model.ckpt read weights-only, and written beside its destination (not staged in $TMPDIR)
+            self.trainer.strategy.checkpoint_io = SafeCheckpointIO()
         if is_deepspeed(self.trainer.strategy):
             # DeepSpeed's sample counters read the micro-batch size (it does not change the math). Lightning would
             # take it from the loader's batch_sampler, which normlab's loaders (whole batches) do not have; the
@@ -195,7 +223,19 @@ class NormlabCLI(LightningCLI):
         if Path(self.datamodule.path).resolve() != Path(DEFAULT_OUTPUT).resolve():  # (that one is built on use)
             _ = self.datamodule.meta  # a DataError naming the path and the `normlab prepare` command
 
-    before_validate = before_test = _check_inputs
+    def _check_checkpoint(self) -> None:
+        """`validate | test`: the checkpoint is checked as a resume's is (fit: `StepCheckpoint.setup`) — every file
+        against its manifest (sizes, sha256), the model config and tokenizer, no pickled code — before any of it
+        is read."""
+        self._check_inputs()
+        ckpt_dir = layout.ckpt_dir_of(self.plan.load_path) if self.plan.load_path else None
+        if ckpt_dir is not None and (ckpt_dir / layout.MANIFEST).is_file():
+            resume.check_settings(ckpt_dir, self.model.config.to_dict(), self.datamodule.tokenizer_path,
+                                  action=self.subcommand)
+            refuse_code(ckpt_dir)
+        start_wandb(self.trainer.loggers)
+
+    before_validate = before_test = _check_checkpoint
 
     def _check_branch(self, parent: branch.Parent) -> None:
         """The resume checks against a branch's parent: one error line, before anything is written."""
@@ -218,10 +258,13 @@ class NormlabCLI(LightningCLI):
         elif self.plan.parent is None and self._init_source is not None:
             source = init_from.attach(self.model, self.trainer, self.datamodule, self._init_source)
         for callback in self.trainer.callbacks:
+            if isinstance(callback, DownstreamEval):
+                callback.load_tasks()  # an unknown task: one line, before the logger writes the run directory
             if isinstance(callback, StepCheckpoint):
                 callback.resume_from = self.plan.load_path  # checked against the run before anything loads
                 callback.branched_from = self.plan.lineage
                 callback.init_from = source
+        start_wandb(self.trainer.loggers)  # last: every check above passed
 
     def after_fit(self) -> None:
         log_closing_lines(self.trainer, Path(self.trainer.default_root_dir) / layout.CONFIG_FILE)

@@ -151,6 +151,20 @@ def mlflow_logger(run_dir: Path, run_id: str | None, sweep: SweepRun | None) -> 
                         tags=tags, tracking_uri=uri)
 
 
+def start_wandb(loggers: list[Logger]) -> None:
+    """Start the W&B run now, once the command's input is checked and before the fit writes anything (Lightning
+    would start it at the first log, after the run directory is written): no API key is one error line."""
+    for logger in loggers:
+        if isinstance(logger, WandbLogger):
+            from wandb.errors import UsageError
+
+            try:
+                _ = logger.experiment  # rank 0 starts the run; the other ranks get Lightning's stand-in
+            except UsageError as err:
+                raise UserError(f"--loggers wandb: {err} — or set WANDB_API_KEY, or WANDB_MODE=offline to log to "
+                                "<run>/wandb/ only") from None
+
+
 def read_runs(run_dir: Path) -> dict[str, Any]:
     """The logger runs recorded for `run_dir` ({} when none)."""
     path = run_dir / RUNS_FILE

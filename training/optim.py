@@ -148,6 +148,14 @@ class OptimConfig:
             raise ValueError(f"optim.no_decay has unknown kind(s) {sorted(unknown)}; valid: {list(PARAM_KINDS)}")
         if not (self.lr > 0 and 0 <= self.min_lr <= self.lr):
             raise ValueError(f"optim needs lr > 0 and 0 <= min_lr <= lr, got lr={self.lr}, min_lr={self.min_lr}")
+        # (torch checks betas and eps only when the optimizer is built, after the run directory is written, and
+        # AdamW checks weight_decay only for its defaults, not for the groups that carry it)
+        if not (len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas)):
+            raise ValueError(f"optim.betas={list(self.betas)} must be two numbers in [0, 1), e.g. [0.9, 0.95]")
+        if not 0 < self.eps < math.inf:
+            raise ValueError(f"optim.eps={self.eps} must be a positive number, e.g. 1.0e-8")
+        if not 0 <= self.weight_decay < math.inf:
+            raise ValueError(f"optim.weight_decay={self.weight_decay} must be >= 0 (0: no decay)")
         if self.warmup_steps < 0 or (self.decay_steps is not None and self.decay_steps <= self.warmup_steps):
             raise ValueError(
                 f"optim needs warmup_steps >= 0 and decay_steps > warmup_steps, "

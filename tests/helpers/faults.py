@@ -118,11 +118,11 @@ def _patches(point: str, step: int | None, rank: int | None) -> list:
     from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import (
         TorchCheckpointEngine,
     )
-    from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
     from training.callbacks import guard
     from training.callbacks.step_checkpoint import StepCheckpoint
     from training.checkpointing import save
+    from training.checkpointing.safe import SafeCheckpointIO
 
     def armed(at_step: int | None, default_rank: int | None = None) -> bool:
         want = rank if rank is not None else default_rank
@@ -153,8 +153,8 @@ def _patches(point: str, step: int | None, rank: int | None) -> list:
                 _write_half(obj, str(path))
                 pause(f"{point}@{step} ({path})")
             return write
-        return [mock.patch.object(TorchCheckpointIO, "save_checkpoint",
-                                  failing(TorchCheckpointIO.save_checkpoint, "checkpoint")),
+        return [mock.patch.object(SafeCheckpointIO, "save_checkpoint",  # model.ckpt's writer in every fit
+                                  failing(SafeCheckpointIO.save_checkpoint, "checkpoint")),
                 mock.patch.object(TorchCheckpointEngine, "save", failing(TorchCheckpointEngine.save, "state_dict"))]
     if point == "enospc_manifest":
         write_text = save.write_text_atomic

@@ -54,7 +54,13 @@ class DownstreamEval(Callback):
         return bool(self.tasks and self.every_n_steps)
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        if not self.enabled or stage != "fit":
+        if stage == "fit":
+            self.load_tasks()
+
+    def load_tasks(self) -> None:
+        """Find the tasks (once): an unknown task is one error line. The CLI calls it before the fit starts, so
+        that a refusal leaves no run directory behind."""
+        if not self.enabled or self._task_set is not None:
             return
         try:
             from training.eval.tasks import TaskSet

@@ -29,7 +29,7 @@ from typing import Any
 from lightning.pytorch import Callback, LightningModule, Trainer
 
 from training.checkpointing.layout import LIGHTNING_FILE, MODEL_CONFIG_FILE, load_path
-from training.checkpointing.manifest import MANIFEST, CheckpointError, Manifest, verify_files
+from training.checkpointing.manifest import MANIFEST, CheckpointError, Manifest, read_verified
 from training.optim import restart_schedule
 
 log = logging.getLogger(__name__)
@@ -78,8 +78,7 @@ def resolve_parent(branch_from: str) -> Parent:
         raise CheckpointError(f"{where}: no {MANIFEST} there — an interrupted save, or not a normlab checkpoint "
                               "directory; branch from a complete step directory (<run>/checkpoints/step-XXXXXXXX, "
                               "e.g. an earlier one)")
-    manifest = Manifest.read(path)
-    verify_files(path, manifest)
+    manifest = read_verified(path)
     for needed in (MODEL_CONFIG_FILE, *([] if manifest.deepspeed else [LIGHTNING_FILE])):
         if not (path / needed).is_file():
             raise CheckpointError(f"{where}: '{needed}' is missing, the checkpoint is incomplete; branch from "

@@ -137,6 +137,11 @@ def resolve(ckpt_path: str | None, run_dir: str | Path) -> tuple[str | None, int
             if ckpt_dir.is_dir() and _STEP_DIR.match(ckpt_dir.name):
                 raise CheckpointError(f"--ckpt_path {ckpt_path}: no {MANIFEST}, the save was interrupted; "
                                       "resume from an earlier checkpoint (or --ckpt_path last)")
+            if ckpt_dir.is_dir() and not (ckpt_dir / "latest").is_file():  # nor a DeepSpeed directory
+                inside = complete_checkpoints(ckpt_dir.parent) if ckpt_dir.name == CHECKPOINTS_DIR else []
+                hint = f" (the newest complete one here: {inside[-1]})" if inside else ""
+                raise CheckpointError(f"--ckpt_path {ckpt_path}: a directory that is no checkpoint (no {MANIFEST}, "
+                                      f"no DeepSpeed 'latest'); give a step directory{hint} or `last`")
             return ckpt_path, None
     return str(load_path(ckpt_dir)), Manifest.read(ckpt_dir).step
 

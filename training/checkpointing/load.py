@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
+import pickle
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,8 +26,8 @@ import yaml
 
 from model import ModelConfig, Transformer
 from training.checkpointing.layout import CONFIG_FILE, LIGHTNING_FILE, MODEL_CONFIG_FILE
-from training.checkpointing.manifest import MANIFEST, CheckpointError, Manifest, verify_files
-from training.checkpointing.safe import no_code_from_checkpoints, safe_torch_load
+from training.checkpointing.manifest import MANIFEST, CheckpointError, read_verified
+from training.checkpointing.safe import no_code_from_checkpoints, refusal, safe_torch_load
 from training.remote_code import HF_READ, refuse_custom_code
 
 log = logging.getLogger(__name__)
@@ -122,8 +123,7 @@ def _build(config: dict[str, Any], state: dict[str, torch.Tensor], where: Path) 
 
 
 def _load_step_dir(ckpt_dir: Path) -> Loaded:
-    manifest = Manifest.read(ckpt_dir)  # a corrupt manifest is a CheckpointError that says so
-    verify_files(ckpt_dir, manifest)  # sizes and hashes, before anything is unpickled
+    manifest = read_verified(ckpt_dir)  # sizes and hashes, before anything is unpickled
     if not (ckpt_dir / MODEL_CONFIG_FILE).is_file():
         raise CheckpointError(f"'{ckpt_dir}' has no {MODEL_CONFIG_FILE}: it was not written by normlab")
     config = _read_json(ckpt_dir / MODEL_CONFIG_FILE)
@@ -153,9 +153,21 @@ def _load_export_dir(path: Path) -> Loaded:
     from model.hf_compat import from_hf
 
     refuse_custom_code(path, f"'{path}'")  # before transformers could ask whether to run the model's own code
-    hf = transformers.AutoModelForCausalLM.from_pretrained(path, **HF_READ, dtype=torch.float32)
+    try:
+        hf = transformers.AutoModelForCausalLM.from_pretrained(path, **HF_READ, dtype=torch.float32)
+    except (OSError, ValueError, KeyError, pickle.UnpicklingError) as err:
+        raise _hf_refusal(path, err) from None
     step = _read_json(path / "config.json").get("normlab_step")
     return Loaded(from_hf(hf), step, None, {}, tokenizer, "Hugging Face export")
+
+
+def _hf_refusal(path: Path, err: Exception) -> CheckpointError:
+    """One line for a Hugging Face directory transformers could not load (a pickled weights file that names a type
+    outside tensors — refused weights-only, never run — a missing file, a config it does not know)."""
+    if isinstance(err, pickle.UnpicklingError):  # transformers reads pytorch_model.bin weights-only
+        return refusal(path, err)
+    message = " ".join(str(err).split())
+    return CheckpointError(f"cannot load the Hugging Face model in '{path}' ({type(err).__name__}: {message[:300]})")
 
 
 def _load_file(path: Path) -> Loaded:

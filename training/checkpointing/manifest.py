@@ -7,20 +7,29 @@ are kept in `extra` and written back unchanged.
 
 `files` ({relative path: bytes}) and `sha256` ({relative path: hex digest}) cover every file of the directory
 but the manifest itself; `verify_files` checks both before anything is unpickled, so a truncated, missing or
-altered shard is one error naming it.
+altered shard is one error naming it. Every reader of a checkpoint directory goes through `read_verified`.
+
+`manifest_version` (VERSION) marks a manifest written by this normlab, which always records every file's sha256:
+such a manifest listing a file without its digest was edited, and is refused. A manifest without it (an older
+normlab's) that lacks digests is checked by sizes only, and a warning says so. The hash detects accidental damage
+(a flipped bit, a half-copied shard), not a deliberate edit: whoever can change a shard can change the manifest.
 """
 from __future__ import annotations
 
 import dataclasses
 import hashlib
 import json
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from data.atomic import write_text_atomic
 
+log = logging.getLogger(__name__)
+
 MANIFEST = "manifest.json"
+VERSION = 2  # manifest_version: 2 = every listed file has its sha256 (1, unwritten: sizes, sha256 when present)
 HASH = "sha256"  # faster than blake2b here (hashlib on OpenSSL with SHA extensions), and what the other hashes use
 _CHUNK = 1 << 20
 
@@ -33,6 +42,7 @@ class CheckpointError(ValueError):
 @dataclass(frozen=True, kw_only=True)
 class Manifest:
     step: int  # the optimizer step the checkpoint was saved after
+    manifest_version: int | None = None  # VERSION when written by this normlab; None: an older one
     format: str | None = None  # "deepspeed" (a DeepSpeed directory) or "lightning" (model.ckpt inside it)
     tokens_seen: int | None = None  # across restarts, also on other world sizes
     world_size: int | None = None
@@ -117,13 +127,32 @@ def _files(ckpt_dir: Path) -> dict[str, Path]:
     return {str(p.relative_to(ckpt_dir)): p for p in sorted(ckpt_dir.rglob("*")) if p.is_file() and p.name != MANIFEST}
 
 
+def read_verified(ckpt_dir: str | Path) -> Manifest:
+    """The manifest of `ckpt_dir` once every file it lists is checked (`verify_files`): what every reader of a
+    checkpoint directory calls before anything in it is unpickled."""
+    manifest = Manifest.read(ckpt_dir)
+    verify_files(Path(ckpt_dir), manifest)
+    return manifest
+
+
 def verify_files(ckpt_dir: Path, manifest: Manifest | dict[str, Any]) -> None:
-    """Every file the manifest lists is there with its size and (when recorded) its content hash: a missing,
-    truncated or altered shard fails here, with its name, before anything reads it. (Files the manifest does not
-    list — e.g. the universal-format cache written later — are not covered; their loading is safe regardless,
-    see safe.py.)"""
+    """Every file the manifest lists is there with its size and content hash: a missing, truncated or altered
+    shard fails here, with its name, before anything reads it. Digests missing from a manifest of this version
+    are refused; from an older manifest, only sizes are checked, with a warning. (Files the manifest does not list
+    — e.g. the universal-format cache written later — are not covered; their loading is safe regardless, see
+    safe.py.)"""
     if isinstance(manifest, dict):
         manifest = Manifest.from_dict(manifest)
+    unhashed = sorted(set(manifest.files) - set(manifest.sha256))
+    if manifest.manifest_version is not None and (unhashed or not manifest.files):
+        what = f"'{unhashed[0]}' without its {HASH}" if unhashed else "no files"
+        raise CheckpointError(f"checkpoint {ckpt_dir} is damaged: its {MANIFEST} (version "
+                              f"{manifest.manifest_version}) lists {what}, which normlab always records — the "
+                              "manifest was edited; nothing was loaded — use an earlier checkpoint")
+    if unhashed:
+        named = ", ".join(unhashed[:3]) + (f" and {len(unhashed) - 3} more" if len(unhashed) > 3 else "")
+        log.warning("checkpoint %s: its %s, from an older normlab, records no %s for %s: checking sizes only",
+                    ckpt_dir, MANIFEST, HASH, named)
     for rel, size in manifest.files.items():
         path = ckpt_dir / rel
         if not path.is_file():

@@ -1,7 +1,8 @@
 """What a resume (or a cooldown branch, training/checkpointing/branch.py) checks before any weight is loaded:
 each failure names the checkpoint and the fix.
 
-- a new run must not write over another run's checkpoints (`check_fresh_run`);
+- a new run must not write over another run's checkpoints (`check_fresh_run`), nor over the config and logs of a
+  run that stopped before its first checkpoint (`check_no_logged_run`);
 - a DeepSpeed directory resumes under DeepSpeed, a Lightning file without it (`check_format`);
 - the checkpoint is whole (every file the manifest lists, at its size and sha256), holds no pickled code
   (training/checkpointing/safe.py), and was written with this model config and tokenizer (`check_resume`;
@@ -18,8 +19,15 @@ from typing import Any
 
 from lightning.pytorch import LightningModule, Trainer
 
-from training.checkpointing.layout import MODEL_CONFIG_FILE, complete_checkpoints, config_hash, file_hash
-from training.checkpointing.manifest import CheckpointError, Manifest, verify_files
+from training.checkpointing.layout import (
+    CONFIG_FILE,
+    MODEL_CONFIG_FILE,
+    checkpoints_dir,
+    complete_checkpoints,
+    config_hash,
+    file_hash,
+)
+from training.checkpointing.manifest import CheckpointError, Manifest, read_verified
 from training.checkpointing.safe import refuse_code
 
 log = logging.getLogger(__name__)
@@ -33,6 +41,23 @@ def check_fresh_run(run_dir: str | Path) -> None:
             f"{run_dir} already holds checkpoints (newest: {found[-1].name}). Resume it with `--ckpt_path last`, "
             f"or start a new run with `--name <new name>`."
         )
+
+
+def check_no_logged_run(run_dir: str | Path) -> None:
+    """A new fit must not replace the config.yaml and hide the TensorBoard curves of a run that logged but saved no
+    checkpoint (it stopped before its first save, or checkpoints are off): a fresh start there is asked for by
+    `--ckpt_path last`, never implied."""
+    run_dir = Path(run_dir)
+    found = [name for name, present in (
+        (CONFIG_FILE, (run_dir / CONFIG_FILE).is_file()),
+        ("TensorBoard events", any(run_dir.glob("events.out.tfevents.*"))),
+        ("incomplete checkpoints", checkpoints_dir(run_dir).is_dir() and any(checkpoints_dir(run_dir).iterdir())),
+    ) if present]
+    if found:
+        raise CheckpointError(
+            f"{run_dir} already holds a run ({', '.join(found)}; no complete checkpoint). Continue it with "
+            "`--ckpt_path last` (from step 0, replacing its config and curves), or start a new run with "
+            "`--name <new name>`.")
 
 
 def check_format(ckpt_path: str, deepspeed: bool) -> None:
@@ -72,19 +97,19 @@ def check_fits(ckpt_dir: Path, model_config: dict[str, Any], tokenizer_path: Pat
 def check_settings(ckpt_dir: Path, model_config: dict[str, Any], tokenizer_path: Path | None,
                    action: str = "resume") -> Manifest:
     """The checks of `check_fits` that read no pickle: the files are as saved, the model config and the tokenizer
-    are the run's. Returns the manifest."""
-    manifest = Manifest.read(ckpt_dir)
-    verify_files(ckpt_dir, manifest)
+    are the run's (`action`: also "validate", "test"). Returns the manifest."""
+    manifest = read_verified(ckpt_dir)
     config_file = ckpt_dir / MODEL_CONFIG_FILE
     if config_file.is_file():
         saved = _as_today(json.loads(config_file.read_text()))
         if config_hash(saved) != config_hash(model_config):
             diff = ", ".join(f"{k}: {saved.get(k)!r} → {model_config.get(k)!r}"
                              for k in sorted(set(saved) | set(model_config)) if saved.get(k) != model_config.get(k))
-            fix = ("A branch continues its parent's model: use the parent's model config (see its "
-                   "model_config.json)" if action != "resume" else
-                   "Resume with the checkpoint's model config (see its model_config.json), or start a new run "
-                   "with --name")
+            fix = {"resume": "Resume with the checkpoint's model config (see its model_config.json), or start a new "
+                             "run with --name",
+                   "branch from": "A branch continues its parent's model: use the parent's model config (see its "
+                                  "model_config.json)"}.get(action, "Give the checkpoint's model config (see its "
+                                                                    "model_config.json)")
             raise CheckpointError(f"cannot {action} {ckpt_dir}: the model config changed ({diff}). {fix}")
     saved_tok = manifest.tokenizer_hash
     current_tok = file_hash(tokenizer_path)

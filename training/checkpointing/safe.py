@@ -20,6 +20,7 @@ Three entry points:
 """
 from __future__ import annotations
 
+import os
 import pickle
 import re
 import sys
@@ -60,7 +61,7 @@ class UnsafeCheckpointError(CheckpointError):
 _GLOBAL = re.compile(r"GLOBAL (\S+)|global[s]?:? \[?['\"]?([\w.]+)")
 
 
-def _refusal(path: Any, err: Exception) -> CheckpointError:
+def refusal(path: Any, err: Exception) -> CheckpointError:
     """One line for a file the restricted unpickler refused (`err`), naming the file and the type."""
     found = _GLOBAL.search(str(err))
     what = next(g for g in found.groups() if g) if found else str(err).strip().splitlines()[-1][:200]
@@ -84,7 +85,7 @@ def refuse_code(ckpt_dir: Path) -> None:
                 raise CheckpointError(f"cannot read '{path}': it is truncated or not a checkpoint ({err}); use "
                                       "another checkpoint, e.g. the previous step directory") from err
         if unsafe:
-            raise _refusal(path, ValueError(f"GLOBAL {unsafe[0]}"))
+            raise refusal(path, ValueError(f"GLOBAL {unsafe[0]}"))
 
 
 @contextmanager
@@ -94,13 +95,31 @@ def allowed_types() -> Iterator[None]:
         yield
 
 
+# How a file torch.save wrote begins: a zip archive (the default format), or a pickle (the legacy one).
+_TORCH_MAGIC = (b"PK\x03\x04", b"\x80")
+
+
+def _check_is_torch_file(path: Any) -> None:
+    """A file that is no torch checkpoint at all (a YAML file given as one) is named as such, before torch's
+    weights-only unpickler reports it as an unsupported pickle (which would read as "it could run code")."""
+    if not isinstance(path, (str, os.PathLike)) or not Path(path).is_file():
+        return
+    with open(path, "rb") as f:
+        head = f.read(4)
+    if not any(head.startswith(magic) for magic in _TORCH_MAGIC):
+        raise CheckpointError(f"'{path}' is not a checkpoint file (it is neither a zip archive nor a pickle, as "
+                              "torch.save writes them); give a step directory (<run>/checkpoints/step-XXXXXXXX), the "
+                              "model.ckpt inside one, or `last`")
+
+
 def _load(load: Callable[..., Any], f: Any, *args: Any, **kwargs: Any) -> Any:
     kwargs["weights_only"] = True  # whatever the caller asked for
+    _check_is_torch_file(f)
     with allowed_types():
         try:
             return load(f, *args, **kwargs)
         except pickle.UnpicklingError as err:
-            raise _refusal(getattr(f, "name", f), err) from None
+            raise refusal(getattr(f, "name", f), err) from None
 
 
 def safe_torch_load(path: str | Path, map_location: Any = "cpu", mmap: bool = False) -> Any:
@@ -136,12 +155,37 @@ def no_code_from_checkpoints() -> Iterator[None]:
 
 
 class SafeCheckpointIO(TorchCheckpointIO):
-    """Lightning's checkpoint IO (`fit/validate/test --ckpt_path` of a `model.ckpt`), reading weights-only."""
+    """Lightning's checkpoint IO for `model.ckpt` (without DeepSpeed), reading weights-only and writing through a
+    temporary file beside the destination.
+
+    Lightning's own save serializes the whole checkpoint into memory, then has fsspec stage it in a temporary
+    file under $TMPDIR before moving it into place: a node whose /tmp is smaller than one checkpoint cannot save
+    at all, and its disk-full error names the runs disk. Here the file goes to `.<name>.tmp` in its own directory
+    (the same filesystem, whose free space the save's error reports), is fsynced and renamed over the name."""
 
     def load_checkpoint(self, path: Any, map_location: Any = None, weights_only: bool | None = None) -> Any:
         if not Path(path).is_file():
             raise CheckpointError(f"checkpoint '{path}' not found")
         return safe_torch_load(path, map_location=map_location or "cpu")
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
+        if storage_options is not None:
+            raise TypeError(f"{type(self).__name__}.save_checkpoint takes no storage_options (a local file only), "
+                            f"got {storage_options!r}")
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.tmp")
+        try:
+            torch.save(checkpoint, tmp)
+            fd = os.open(tmp, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)  # (a full disk gets its space back)
+            raise
 
 
 def _ds_to_universal(argv: list[str]) -> None:

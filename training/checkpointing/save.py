@@ -52,6 +52,7 @@ from training.checkpointing.layout import (
     versions,
     write_text_atomic,
 )
+from training.checkpointing.manifest import VERSION as MANIFEST_VERSION
 from training.checkpointing.manifest import Manifest, hash_file, hash_files
 from training.compat import hold_checkpoint_writes
 from training.distributed import gather_objects
@@ -186,6 +187,7 @@ def _write_sidecars(ckpt_dir: Path, trainer: Trainer, pl_module: LightningModule
     datamodule = trainer.datamodule
     manifest = Manifest(
         step=trainer.global_step,
+        manifest_version=MANIFEST_VERSION,
         tokens_seen=datamodule.tokens_seen(),  # across restarts, also on other world sizes
         format=fmt,
         world_size=trainer.world_size,

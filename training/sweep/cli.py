@@ -57,6 +57,9 @@ def report(sweep_dir: Path, out: Path | None) -> int:
                         "(training/sweep/report.py is missing)") from err
     if not (sweep_dir / "sweep.json").is_file():
         raise UserError(f"'{sweep_dir}' has no sweep.json: run the sweep first (normlab sweep SPEC.yaml)")
+    from training.sweep.results import check_one_config_per_cell
+
+    check_one_config_per_cell(sweep_dir, module.load_sweep(sweep_dir)["runs"])
     path = module.write_report(sweep_dir, out)
     sys.stdout.write(f"report: {path}\n")
     return 0
@@ -67,6 +70,8 @@ def main(argv: list[str] | None = None) -> int:
         args = parser().parse_args(argv)
     except argparse.ArgumentError as err:
         raise UserError(str(err)) from err
+    if args.max_parallel < 1:  # (before anything is written into the sweep directory)
+        raise UserError(f"--max_parallel {args.max_parallel} must be >= 1")
     spec = load_spec(args.spec)
     runs = spec.runs()
     if args.dry_run:

@@ -7,6 +7,7 @@ the run, or resumes it from its newest complete checkpoint — the sweep adds no
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import signal
 import socket
@@ -14,15 +15,18 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from training.cli_checks import CONFIG_HASHES_ENV
 from training.errors import UserError
-from training.sweep.spec import Run, Spec
+from training.sweep.spec import Run, Spec, load_spec
 from training.sweep.state import LOG_FILE, RUN_RECORD, progress, read_json, run_status, write_json
 
 # What a run's log says when normlab's guard stopped it on a non-finite loss or gradient (callbacks/guard.py).
 DIVERGED_MARK = "NonFiniteError"
+
 
 
 def config_hashes(spec: Spec) -> dict[str, str]:
@@ -51,6 +55,47 @@ def check_unchanged(spec: Spec, runs: list[Run]) -> None:
                             "the spec, or give the edited spec a new name (or delete that run to retrain it)")
 
 
+def _file_hash(path: str) -> str | None:
+    try:
+        return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+    except OSError:
+        return None  # deleted or unreadable: it differs from any hash taken before
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """What a sweep trains, taken when it starts: the sha256 of each `-c` file and every run's command. A fit
+    reads its `-c` files when it starts, so an edit while the sweep runs would train the runs started after it
+    with another config than those before: `check` refuses to start them, and each run's fit is told the hashes
+    (`train`), so one that starts in the moment of an edit refuses the file it reads."""
+
+    spec: Spec
+    hashes: dict[str, str | None]
+    commands: dict[str, list[str]]
+
+    @classmethod
+    def take(cls, spec: Spec, runs: list[Run]) -> Snapshot:
+        return cls(spec, {c: _file_hash(c) for c in spec.configs}, {r.rel: identity(r.fit_args) for r in runs})
+
+    def check(self, run: Run) -> None:
+        """Before `run` starts: a UserError if a `-c` file or the spec on disk changed what the sweep trains."""
+        now = {c: _file_hash(c) for c in self.hashes}
+        changed = [f"{c} was {'deleted' if now[c] is None else 'edited'}" for c, h in self.hashes.items()
+                   if now[c] != h]
+        if not changed:
+            try:
+                command = {r.rel: identity(r.fit_args) for r in load_spec(self.spec.path).runs()}.get(run.rel)
+            except UserError as err:
+                changed = [f"the spec no longer loads ({err})"]
+            else:
+                if command != self.commands.get(run.rel):
+                    changed = [f"the spec '{self.spec.path}' was edited (the command of {run.rel} changed)"]
+        if changed:
+            raise UserError(f"{'; '.join(changed)} since this sweep started: {run.rel} and the runs after it were not "
+                            "started, so that the sweep trains one config (the runs started before keep theirs). "
+                            "Restore it and run the sweep again, or give the edited spec a new name")
+
+
 def attempt_outcome(returncode: int, run_dir: Path, log_from: int) -> tuple[str, str | None]:
     """(status, the error line) of an attempt that exited with `returncode`: its log since `log_from` tells a
     divergence (normlab's guard) from any other failure."""
@@ -73,17 +118,20 @@ def attempt_outcome(returncode: int, run_dir: Path, log_from: int) -> tuple[str,
 
 def train(spec: Spec, run: Run, env: dict[str, str] | None = None,
           started: Callable[[subprocess.Popen], Any] | None = None, prefix: list[str] | None = None,
-          extra: list[str] | None = None) -> str:
+          extra: list[str] | None = None, hashes: dict[str, str] | None = None) -> str:
     """Train `run` to its end or to its first stop, recording it; returns its status. `started` is called with
     the fit process (the executors keep it to forward signals); `prefix` runs the command through a launcher
     (Slurm's `srun`); `extra` are fit arguments of the executor's that do not change what the run computes
-    (its `cluster.*` settings), added after the run's own and not part of its recorded command."""
+    (its `cluster.*` settings), added after the run's own and not part of its recorded command. `hashes`: the
+    `-c` files' sha256 the run must train with (default: as they are now); they are recorded, and the fit refuses
+    a file that no longer has its hash (CONFIG_HASHES_ENV)."""
     run_dir = spec.sweep_dir / run.rel
     run_dir.mkdir(parents=True, exist_ok=True)
     log_path = run_dir / LOG_FILE
     log_from = log_path.stat().st_size if log_path.exists() else 0
     previous = read_json(run_dir / RUN_RECORD) or {}
-    base = {"command": run.command, "config_hashes": config_hashes(spec), "attempts": previous.get("attempts", 0) + 1}
+    hashes = config_hashes(spec) if hashes is None else hashes
+    base = {"command": run.command, "config_hashes": hashes, "attempts": previous.get("attempts", 0) + 1}
     with open(log_path, "ab") as log:
         log.write(f"=== sweep attempt {base['attempts']} on {socket.gethostname()} at "
                   f"{time.strftime('%Y-%m-%dT%H:%M:%S%z')} ===\n".encode())
@@ -91,7 +139,7 @@ def train(spec: Spec, run: Run, env: dict[str, str] | None = None,
         proc = subprocess.Popen([*(prefix or []), sys.executable, "-m", "training.cli", "fit", *run.fit_args,
                                  *(extra or [])],
                                 stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                env={**os.environ, **(env or {})})
+                                env={**os.environ, **(env or {}), CONFIG_HASHES_ENV: json.dumps(hashes)})
     base["started"] = time.time()
     write_json(run_dir / RUN_RECORD, {**base, "status": "running", "pid": proc.pid, "host": socket.gethostname(),
                                       "slurm_job": os.environ.get("SLURM_JOB_ID")})

@@ -28,7 +28,7 @@ from typing import Any
 
 from training.errors import UserError
 from training.sweep import progress
-from training.sweep.launch import train
+from training.sweep.launch import Snapshot, train
 from training.sweep.spec import Run, Spec
 from training.sweep.state import LOG_FILE, RUN_RECORD, read_json
 
@@ -112,10 +112,14 @@ class Progress:
 
 
 class LocalExecutor:
-    def __init__(self, spec: Spec, max_parallel: int, on_change: Callable[[], None]) -> None:
-        if max_parallel < 1:
-            raise UserError(f"--max_parallel {max_parallel} must be >= 1")
-        self.spec, self.on_change = spec, on_change
+    """Trains runs on this machine. With a `snapshot` (launch.Snapshot), each run is checked against it right
+    before it starts and trains with its `-c` hashes: a changed config starts neither that run nor any later one
+    (the runs already started go on), and the refusal is kept in `refused`."""
+
+    def __init__(self, spec: Spec, max_parallel: int, on_change: Callable[[], None],
+                 snapshot: Snapshot | None = None) -> None:
+        self.spec, self.on_change, self.snapshot = spec, on_change, snapshot
+        self.refused: UserError | None = None
         self.slots = slots(max_parallel)
         self.stopping = threading.Event()
         self.procs: dict[int, subprocess.Popen] = {}
@@ -152,8 +156,17 @@ class LocalExecutor:
                 self.on_change()
                 self.progress.started(run)
 
+            try:
+                if self.snapshot is not None:
+                    self.snapshot.check(run)
+            except UserError as err:
+                with self.lock:
+                    self.refused = self.refused or err
+                self.stopping.set()
+                return
             # (a fit here never requeues a Slurm job around the sweep: the sweep decides what runs next)
-            status = train(self.spec, run, env=slot["env"], started=started, extra=["--cluster.requeue=false"])
+            status = train(self.spec, run, env=slot["env"], started=started, extra=["--cluster.requeue=false"],
+                           hashes=None if self.snapshot is None else self.snapshot.hashes)
             with self.lock:
                 self.procs = {pid: p for pid, p in self.procs.items() if p.poll() is None}
                 self.results[run.rel] = status

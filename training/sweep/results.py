@@ -12,6 +12,8 @@ give the same number for the same run:
 - initial loss: the first logged `train/loss` and its step (`initial_step`). `normlab fit` logs the loss of
   update 1 — the loss at initialization — at step 1 whatever `trainer.log_every_n_steps` is; a run written
   before that logs it only after `log_every_n_steps` updates, and the report says so.
+- one config per cell (`check_one_config_per_cell`): the runs of a cell, as `normlab sweep` recorded them, were
+  trained with the same arguments and `-c` files — else the statistics would judge two configs as one.
 """
 from __future__ import annotations
 
@@ -28,8 +30,10 @@ from training.checkpointing.layout import complete_checkpoints
 from training.checkpointing.manifest import Manifest
 from training.errors import UserError
 from training.stats import training_outcome
+from training.sweep.state import RUN_RECORD, read_json
 
 TRAIN_LOSS = "train/loss"
+PER_RUN_ARGS = ("--runs_dir=", "--name=", "--seed_everything=", "--data.seed=")  # what a cell's seeds differ in
 INCLUDED = ("finished", "diverged")  # statuses whose runs the statistics use; the others are not done yet
 Points = list[tuple[int, float]]
 
@@ -61,8 +65,21 @@ def read_run(run_dir: Path) -> dict[str, Any]:
     scalars = {tag: sorted({e.step: e.value for e in sorted(acc.Scalars(tag), key=lambda e: e.wall_time)}.items())
                for tag in acc.Tags()["scalars"]}
     found = complete_checkpoints(run_dir)
-    return {"dir": run_dir, "config": flatten(yaml.safe_load((run_dir / "config.yaml").read_text()) or {}),
+    return {"dir": run_dir, "config": flatten(_run_config(run_dir / "config.yaml")),
             "scalars": scalars, "manifest": Manifest.read(found[-1]) if found else None}
+
+
+def _run_config(path: Path) -> dict[str, Any]:
+    """A run's config.yaml as a mapping; a damaged one is one UserError naming it."""
+    try:
+        config = yaml.safe_load(path.read_text()) or {}
+    except (UnicodeDecodeError, yaml.YAMLError) as err:
+        raise UserError(f"'{path}' is not a readable config ({type(err).__name__}: {' '.join(str(err).split())}); "
+                        "restore it from a checkpoint's copy (checkpoints/step-*/config.yaml)") from None
+    if not isinstance(config, dict):
+        raise UserError(f"'{path}' holds a YAML {type(config).__name__}, not a run's config; restore it from a "
+                        "checkpoint's copy (checkpoints/step-*/config.yaml)")
+    return config
 
 
 def plain_tags(tags: Iterable[str]) -> list[str]:
@@ -135,3 +152,32 @@ def result(cell: str, params: dict[str, Any], seed: Any, run_dir: Path, status: 
                      final if outcome != "diverged" else math.nan, final_step, steps, steps * per_step,
                      losses[0] if losses else math.nan, s[TRAIN_LOSS][0][0] if losses else None,
                      {tag: s[tag] for tag in (TRAIN_LOSS, metric) if tag in s}, per_step)
+
+
+def _trained_config(record: dict[str, Any]) -> tuple[tuple[str, ...], tuple[tuple[str, str], ...]]:
+    """What a run's record says it was trained with, less what differs between seeds: (fit arguments, -c hashes)."""
+    args = tuple(a for a in record.get("command", [])[4:] if not a.startswith(PER_RUN_ARGS))
+    return args, tuple(sorted((record.get("config_hashes") or {}).items()))
+
+
+def check_one_config_per_cell(sweep_dir: Path, runs: list[dict[str, Any]]) -> None:
+    """Refuse (one UserError naming the cell, its runs and what differs) a sweep with a cell whose included runs
+    were trained with different configs — a spec or `-c` file edited between them: their mean would mix two
+    configs. Reads each run's record (`sweep-run.json`: its command and `-c` hashes); runs without one are left
+    out (nothing recorded, nothing trained by the sweep)."""
+    cells: dict[str, dict[tuple, list[str]]] = {}
+    for run in runs:
+        record = read_json(sweep_dir / str(run.get("run_dir")) / RUN_RECORD)
+        if run.get("status") in INCLUDED and record is not None:
+            cells.setdefault(run.get("cell"), {}).setdefault(_trained_config(record), []).append(run["run_dir"])
+    for cell, configs in cells.items():
+        if len(configs) > 1:
+            ((args_a, hashes_a), runs_a), ((args_b, hashes_b), runs_b) = list(configs.items())[:2]
+            what = [f"{a} / {b}" for a, b in zip(args_a, args_b, strict=False) if a != b]
+            what += [f"{len(args_a)} / {len(args_b)} arguments"] if len(args_a) != len(args_b) else []
+            what += [f"{file} edited between them" for file, digest in dict(hashes_a).items()
+                     if dict(hashes_b).get(file, digest) != digest]
+            raise UserError(f"cell '{cell}' holds runs trained with different configs ({', '.join(runs_a)} vs "
+                            f"{', '.join(runs_b)}: {', '.join(what) or 'their -c files differ'}); the report would "
+                            "judge them as one. Retrain the runs of one config (delete their directories, then run "
+                            "the sweep again with the spec and files they should have)")

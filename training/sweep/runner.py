@@ -4,7 +4,9 @@ Idempotent: finished and diverged runs are skipped (a divergence is an outcome, 
 are deterministic), runs another live process is training are left to it, and everything else — never started,
 interrupted, failed — is (re)started with its own `fit --ckpt_path=last`, which resumes from its newest complete
 checkpoint. A spec edit that would change a run already trained is refused before anything starts
-(launch.check_unchanged). Only one sweep process works on a sweep directory at a time (a flock on `.lock`).
+(launch.check_unchanged), and an edit of the spec or of a `-c` file while the sweep runs stops it from starting
+any further run (launch.Snapshot): one sweep trains one config. Only one sweep process works on a sweep directory
+at a time (a flock on `.lock`).
 """
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from training.errors import UserError
-from training.sweep.launch import check_unchanged
+from training.sweep.launch import Snapshot, check_unchanged
 from training.sweep.spec import Run, Spec
 from training.sweep.state import locked, run_status, write_state
 
@@ -42,14 +44,20 @@ def claimed(spec: Spec, runs: list[Run]) -> Iterator[list[Run]]:
 
 
 def run_local(spec: Spec, runs: list[Run], max_parallel: int) -> dict:
+    """Train the runs not done yet, locally; a UserError (after the runs already started have ended) when an edit
+    of the spec or a `-c` file stopped the sweep from starting the others."""
     from training.sweep.local import LocalExecutor
 
     with claimed(spec, runs) as todo:
         log.info("sweep %s: %d runs, %d to train, %d at a time", spec.name, len(runs), len(todo), max_parallel)
         start = time.perf_counter()
-        LocalExecutor(spec, max_parallel, on_change=lambda: write_state(spec, runs)).run(todo)
+        executor = LocalExecutor(spec, max_parallel, on_change=lambda: write_state(spec, runs),
+                                 snapshot=Snapshot.take(spec, runs))
+        executor.run(todo)
         state = write_state(spec, runs, with_metric=True)
         log.info("sweep %s: %s in %.0f s", spec.name, counts(state), time.perf_counter() - start)
+        if executor.refused is not None:
+            raise executor.refused
         return state
 
 

@@ -145,6 +145,13 @@ def format_value(value: Any) -> str:
     return json.dumps(value)
 
 
+def _same_value(value: Any) -> Any:
+    """What two values that configure the same run share: numbers by value (1 and 1.0), the rest as written."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    return format_value(value)
+
+
 def _fail(path: Path, what: str) -> UserError:
     return UserError(f"sweep spec '{path}': {what}")
 
@@ -164,7 +171,7 @@ def _mapping(path: Path, raw: Any, field_: str, scalar_values: bool) -> dict[str
             if not isinstance(v, (str, int, float, bool)) and v is not None or "/" in str(v) or "," in str(v):
                 raise _fail(path, f"{field_}.{key} value {v!r} must be a number, a word, true/false or null "
                             "(without '/' or ',': it becomes part of a directory name)")
-        if len(set(map(format_value, values))) != len(values):
+        if len(set(map(_same_value, values))) != len(values):  # (1 and 1.0 train the same run)
             raise _fail(path, f"{field_}.{key} lists a value twice: {values!r}")
     return dict(raw)
 
@@ -198,6 +205,8 @@ def load_spec(path: str | Path) -> Spec:
         raw = yaml.safe_load(path.read_text())
     except OSError as err:
         raise UserError(f"sweep spec '{path}' cannot be read: {err.strerror}") from err
+    except UnicodeDecodeError as err:
+        raise _fail(path, f"not a UTF-8 text file (byte {err.start}); give a YAML sweep spec") from None
     except yaml.YAMLError as err:
         raise _fail(path, f"not valid YAML ({' '.join(str(err).split())})") from err
     if not isinstance(raw, dict):

@@ -1,0 +1,91 @@
+"""Checks of `normlab fit | validate | test` input that no constructor makes, run before anything is built or
+written: the `-c` files as files, and trainer settings Lightning accepts but that cannot train (or would train
+something else than asked). Each failure is one UserError naming the flag or file, the value and the fix.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from training.errors import UserError
+
+log = logging.getLogger(__name__)
+
+_CONFIG_FLAGS = ("-c", "--config")
+# {-c value: sha256} a sweep recorded for the run it starts (training/sweep/launch.py): the fit refuses a file that no
+# longer has its hash, so the run's record always says what it read, even when a file is edited as it starts.
+CONFIG_HASHES_ENV = "NORMLAB_CONFIG_SHA256"
+
+
+def config_files(argv: list[str]) -> list[str]:
+    """The values of `-c` / `--config` (also `--config=FILE`) in `argv`."""
+    found = []
+    for i, arg in enumerate(argv):
+        if arg in _CONFIG_FLAGS and i + 1 < len(argv):
+            found.append(argv[i + 1])
+        elif arg.startswith("--config="):
+            found.append(arg.split("=", 1)[1])
+    return found
+
+
+def check_config_files(argv: list[str]) -> None:
+    """Every `-c FILE` that names a file holds a YAML mapping of UTF-8 text, and has the sha256 a sweep recorded
+    for it when it started this run (`CONFIG_HASHES_ENV`, set by training/sweep/launch.py), if any. (A value that
+    is not a file is left to the parser, which also takes inline YAML there.)"""
+    expected = json.loads(os.environ.get(CONFIG_HASHES_ENV) or "{}")
+    for name in config_files(argv):
+        path = Path(name)
+        if not path.is_file():
+            continue
+        where = f"-c {name}"
+        data = path.read_bytes()
+        if name in expected and hashlib.sha256(data).hexdigest() != expected[name]:
+            raise UserError(f"{where} was edited after `normlab sweep` recorded this run's config: a sweep trains "
+                            "one config; restore the file, or give the edited spec a new name")
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError as err:
+            raise UserError(f"{where}: not a UTF-8 text file (byte {err.start} is {data[err.start]:#04x}); give a "
+                            "YAML config file") from None
+        try:
+            config = yaml.safe_load(text)
+        except yaml.YAMLError as err:
+            raise UserError(f"{where}: not valid YAML ({' '.join(str(err).split())})") from None
+        if config is None:
+            raise UserError(f"{where}: the file is empty; give a YAML mapping of config groups (e.g. "
+                            "`optim: {lr: 0.001}`), or drop the -c")
+        if not isinstance(config, dict):
+            raise UserError(f"{where}: holds a YAML {type(config).__name__}, not a mapping of config groups (e.g. "
+                            "`optim: {lr: 0.001}`)")
+
+
+def check_trainer(subcommand: str, trainer: Any, optim: Any, warn: bool = True) -> None:
+    """The `trainer.*` values (and their interplay with `optim.*`) that Lightning accepts but normlab cannot run:
+    no steps, no micro-batches per step, a negative clip (Lightning reads it as "no clipping"), a schedule with no
+    end. A warm-up that the run never finishes is trained as given, with a warning (when `warn`: one rank says it)."""
+    accumulate = trainer.accumulate_grad_batches
+    if not (isinstance(accumulate, int) and accumulate >= 1):
+        raise UserError(f"--trainer.accumulate_grad_batches {accumulate} must be an integer >= 1 (micro-batches per "
+                        "optimizer step)")
+    clip = trainer.gradient_clip_val
+    if clip is not None and not clip >= 0:
+        raise UserError(f"--trainer.gradient_clip_val {clip} must be >= 0 (0 or null: no clipping)")
+    if subcommand != "fit":
+        return
+    max_steps = trainer.max_steps
+    if max_steps == 0:
+        raise UserError("--trainer.max_steps 0 trains no step: give the step to end at (>= 1)")
+    if optim.decay_steps is None and max_steps == -1 and trainer.max_epochs == -1:
+        raise UserError("--trainer.max_steps -1 with --trainer.max_epochs -1 never ends, so the LR schedule has no "
+                        "end: set --optim.decay_steps, or a --trainer.max_steps")
+    if warn and optim.decay_steps is None and 0 < max_steps <= optim.warmup_steps < math.inf:
+        log.warning("optim.warmup_steps %d is not below trainer.max_steps %d: the LR never finishes its warm-up "
+                    "(it ends at %.3g of optim.lr); lower --optim.warmup_steps to train at the LR given",
+                    optim.warmup_steps, max_steps, max_steps / optim.warmup_steps)

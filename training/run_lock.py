@@ -1,0 +1,117 @@
+"""One writer per run directory: `normlab fit | validate | test` hold `<run dir>/.lock` while they run.
+
+A second process on the same run directory is refused with one line naming the holder (pid, host, command,
+start time) — two fits on one `--name` would otherwise move each other's in-flight saves aside and purge each
+other's checkpoints. The lock is an `flock` on the file, so the kernel drops it when its holder dies, even by
+`kill -9`: a stale lock file never blocks anyone. The file is removed when its holder ends normally.
+
+Which process holds it: the job's first rank (`is_first_rank`, from the launcher's environment, before any
+process group exists). The ranks of one job are one writer — they write disjoint shards and rank 0 alone decides
+about the directory — so a lock per rank would refuse a job's own ranks; every job has a first rank, which tries
+the same file, so one is enough to keep a second job out. A multi-node run on a shared filesystem needs that
+filesystem to implement `flock` across hosts: NFS does (the client maps it to NFS locks); Lustre only when mounted
+with `-o flock` (`localflock` locks per node). Where the filesystem refuses locks altogether, the run goes on
+without one, with a warning that says so.
+"""
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import logging
+import os
+import socket
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from training.errors import UserError
+
+log = logging.getLogger(__name__)
+
+LOCK_FILE = ".lock"
+# Environment variables a launcher sets to a process's rank (torchrun/DeepSpeed: RANK; Lightning's own launcher:
+# LOCAL_RANK and NODE_RANK; srun: SLURM_PROCID; jsrun: JSM_NAMESPACE_RANK). The first rank has 0 in each it sets.
+_RANK_VARS = ("RANK", "LOCAL_RANK", "NODE_RANK", "SLURM_PROCID", "JSM_NAMESPACE_RANK")
+_NO_LOCKS = (errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL)  # a filesystem without flock
+
+
+def is_first_rank() -> bool:
+    """Whether this process is its job's rank 0, from the launcher's environment (every rank variable it set is 0;
+    a plain process sets none)."""
+    return all(os.environ.get(var, "0").strip() in ("0", "") for var in _RANK_VARS)
+
+
+@dataclass
+class RunLock:
+    """A held lock; `release()` ends it (removes the file, and the directories made only to hold it if they
+    stayed empty: a command refused after taking the lock leaves nothing behind)."""
+
+    path: Path
+    fd: int  # -1: not held (a filesystem without locks)
+    made: list[Path] = field(default_factory=list)  # directories created for the lock, deepest first
+
+    def release(self) -> None:
+        try:
+            os.unlink(self.path)  # while still held: a process that opened this file retries on the new one
+        except OSError:
+            pass
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+        _remove_empty(self.made)
+
+
+def _remove_empty(directories: list[Path]) -> None:
+    for directory in directories:
+        try:
+            directory.rmdir()  # only if empty
+        except OSError:
+            return
+
+
+def acquire(run_dir: str | Path, command: str) -> RunLock:
+    """Hold `<run_dir>/.lock` for `command` (e.g. "normlab fit"), or raise a UserError naming the process that
+    holds it. On a filesystem without locks, a RunLock that holds nothing (warned)."""
+    run_dir = Path(run_dir)
+    made = [p for p in (run_dir, *run_dir.parents) if not p.exists()]
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path = run_dir / LOCK_FILE
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _holder(fd)
+            os.close(fd)
+            _remove_empty(made)
+            raise UserError(f"{run_dir} is in use by another normlab process ({holder}): one process writes a run "
+                            "at a time — wait for it to end (or stop it), or use another --name") from None
+        except OSError as err:
+            os.close(fd)
+            if err.errno not in _NO_LOCKS:
+                raise
+            log.warning("cannot lock %s (%s): this filesystem does not support file locks; make sure no other "
+                        "process writes %s meanwhile", path, os.strerror(err.errno), run_dir)
+            return RunLock(path, -1, made)
+        try:
+            same = os.fstat(fd).st_ino == os.stat(path).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:
+            break
+        os.close(fd)  # the previous holder removed the file after we opened it: lock the new one
+    record = {"pid": os.getpid(), "host": socket.gethostname(), "command": command,
+              "since": time.strftime("%Y-%m-%d %H:%M:%S")}
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, (json.dumps(record) + "\n").encode(), 0)
+    return RunLock(path, fd, made)
+
+
+def _holder(fd: int) -> str:
+    """Who holds the lock, as its file records it."""
+    try:
+        record = json.loads(os.pread(fd, 4096, 0).decode())
+        return f"pid {record['pid']} on {record['host']}, {record['command']}, since {record['since']}"
+    except (OSError, ValueError, KeyError, TypeError):
+        return "it is starting"

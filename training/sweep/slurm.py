@@ -215,7 +215,8 @@ def task_main(argv: list[str]) -> int:
     if run is None:
         raise UserError(f"run {rel} is no longer in the spec '{spec.path}' (edited since the array was submitted); "
                         "restore the spec or cancel the array")
-    check_submitted(spec, run, tasks.get("submitted", {}).get(rel))
+    submitted = tasks.get("submitted", {}).get(rel)
+    check_submitted(spec, run, submitted)
     res = resources(spec)
     warning = signal.Signals[f"SIG{res.get('signal', 'USR1')}"]
     task = _Task(warning)
@@ -230,7 +231,8 @@ def task_main(argv: list[str]) -> int:
     log_path = run_dir / LOG_FILE
     log_from = log_path.stat().st_size if log_path.exists() else 0
     on_change = lambda *_: write_state(spec, runs)  # noqa: E731
-    status = train(spec, run, started=lambda p: (task.started(p), on_change()), prefix=prefix, extra=cluster_args)
+    status = train(spec, run, started=lambda p: (task.started(p), on_change()), prefix=prefix, extra=cluster_args,
+                   hashes=None if submitted is None else submitted["config_hashes"])  # (the fit checks them again)
     write_state(spec, runs)
     restart = int(os.environ.get("SLURM_RESTART_COUNT", "0"))
     log.info("%s: %s (restart %d)", run.rel, status, restart)

@@ -2,7 +2,8 @@
 
 Config groups (all settable in YAML via `-c` and as dotted flags):
   model.*       LitLM: `preset` plus any ModelConfig field (`--model.placement post`)
-  optim.*       OptimConfig: AdamW + LR schedule (`--optim.lr 3e-4`)
+  optim.*       OptimConfig: the optimizer (`--optim.name muon --optim.options.momentum 0.9`, training/optimizers.py),
+                its parameter groups and LR schedule (`--optim.lr 3e-4`)
   data.*        TokenDataModule (`--data.path`, `--data.seq_len`, `--data.batch_size`)
   trainer.*     Lightning Trainer (`--trainer.max_steps`, `--trainer.devices`, `--trainer.strategy zero2`)
   checkpoint.*  StepCheckpoint (`--checkpoint.every_n_steps`, `--checkpoint.keep_last_n`)
@@ -21,6 +22,7 @@ Defaults: configs/default.yaml (the default job), then `-c` files in order, then
 """
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 from typing import Any, Literal, Optional
 
@@ -44,7 +46,7 @@ from training.checkpointing.safe import SafeCheckpointIO, no_code_from_checkpoin
 from training.errors import UserError, is_user_error
 from training.lit_module import lit_lm
 from training.loggers import LOGGERS, RecordLoggerRuns, run_loggers
-from training.optim import OptimConfig
+from training.optim import OptimConfig, renamed_option
 from training.strategy import default_precision, is_deepspeed, resolve_strategy  # registers zeroN
 from training.subcommands import LIGHTNING_SUBCOMMANDS
 
@@ -75,6 +77,15 @@ class NormlabCLI(LightningCLI):
                            **{sub: {"default_config_files": [str(DEFAULT_CONFIG)]} for sub in LIGHTNING_SUBCOMMANDS}},
             args=args,
         )
+
+    def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
+        try:
+            super().parse_arguments(parser, args)
+        except argparse.ArgumentError as err:  # an old name of a renamed option: say what it is called now
+            hint = renamed_option(str(err))
+            if hint is None:
+                raise
+            raise UserError(hint) from err
 
     def _subcommand_defaults(self) -> Any:
         """The running subcommand's defaults (configs/default.yaml and the classes' own): --init_from takes a model

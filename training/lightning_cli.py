@@ -28,7 +28,7 @@ from typing import Any, Literal, Optional
 
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.fabric.utilities.exceptions import MisconfigurationException
-from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 
@@ -43,6 +43,7 @@ from training.checkpointing import branch, init_from, layout, resume
 from training.checkpointing.manifest import Manifest
 from training.checkpointing.plan import RunPlan, plan
 from training.checkpointing.safe import SafeCheckpointIO, no_code_from_checkpoints
+from training.checkpointing.save import RunRecord
 from training.errors import UserError, is_user_error
 from training.lit_module import lit_lm
 from training.loggers import LOGGERS, RecordLoggerRuns, run_loggers
@@ -64,10 +65,11 @@ class NormlabCLI(LightningCLI):
 
     def __init__(self, args: list[str] | None = None) -> None:
         self.plan: RunPlan | None = None  # set before the classes are built (before_instantiate_classes)
+        self._init_source: init_from.Source | None = None  # --init_from's source, prepared there too
         super().__init__(
             lit_lm,
             TokenDataModule,
-            save_config_callback=RunConfig,
+            save_config_callback=SaveConfigCallback,
             save_config_kwargs={"overwrite": True},  # runs/<name>/config.yaml: rewritten on resume
             auto_configure_optimizers=False,  # LitLM.configure_optimizers builds groups + schedule
             # exit_on_error=False: a parse error is raised (argparse.ArgumentError) and `normlab` prints it as one
@@ -124,7 +126,9 @@ class NormlabCLI(LightningCLI):
         # `model.max_seq_len` still override them): read from the built datamodule, before the model is built.
         parser.link_arguments("data.vocab_size", "model.data_vocab_size", apply_on="instantiate")
         parser.link_arguments("data.seq_len", "model.data_seq_len", apply_on="instantiate")
-        parser.add_lightning_class_args(StepCheckpoint, "checkpoint")
+        # Built by `instantiate_trainer` with the run's state (what it resumes, what its manifests record).
+        parser.add_class_arguments(StepCheckpoint, "checkpoint", skip={"resume_from", "record"}, instantiate=False,
+                                   fail_untyped=False, sub_configs=True)
         parser.add_lightning_class_args(Throughput, "throughput")
         parser.add_lightning_class_args(TrainingHealth, "metrics")
         parser.add_lightning_class_args(NonFiniteGuard, "guard")
@@ -171,11 +175,43 @@ class NormlabCLI(LightningCLI):
         if not any(isinstance(c, ProgressBar) for c in config.get("callbacks") or []):  # none configured:
             trainer.callbacks[:] = [step_counting(c) for c in trainer.callbacks]  # Lightning's default bar
         trainer.callbacks[:] = with_norm_summary(trainer.callbacks, config.get("callbacks") or [])
+        # The run's own callbacks, each built complete with what the plan decided.
+        init = self._init_from()
+        checkpoint = self._step_checkpoint(trainer, init)
+        trainer.callbacks.insert(next(i for i, c in enumerate(trainer.callbacks) if isinstance(c, Throughput)),
+                                 checkpoint)
         # First of all callbacks: every other callback's on_train_batch_start must see the restored RNG stream.
         trainer.callbacks.insert(0, RNGState())
         if self.plan.parent is not None:
             trainer.callbacks.insert(1, branch.BranchSchedule(self.plan.parent.step))
+        if init is not None:
+            trainer.callbacks.append(init)
         return trainer
+
+    def _init_from(self) -> init_from.InitFrom | None:
+        """A fresh fit's `--init_from` source, checked against the data (`LitLM.configure_model` finds it among the
+        trainer's callbacks); None for a resume or branch, whose weights come from the checkpoint."""
+        if self._init_source is None or self.plan.parent is not None or self.plan.load_path:
+            return None
+        init_from.check_tokenizer(self._init_source, self.datamodule.tokenizer_path,
+                                  self.datamodule.meta["tokenizer_sha256"])
+        return init_from.InitFrom(self._init_source)
+
+    def _step_checkpoint(self, trainer: Trainer, init: init_from.InitFrom | None) -> StepCheckpoint:
+        """The `checkpoint` group's StepCheckpoint with the checkpoint this run loads and what its manifests record:
+        the resolved config (what the config saver writes to config.yaml, nulls too: a complete record; none
+        when nothing is saved, as under fast_dev_run), the lineage, and the --init_from source (a resumed run's:
+        the one its checkpoint recorded)."""
+        saver = next((c for c in trainer.callbacks if isinstance(c, SaveConfigCallback)), None)
+        resolved = saver.parser.dump(saver.config, skip_unset=False) if saver is not None else None
+        source = init.source.record() if init is not None else None
+        if self.subcommand == "fit" and self.plan.parent is None and self.plan.load_path:
+            ckpt_dir = layout.ckpt_dir_of(self.plan.load_path)
+            if (ckpt_dir / layout.MANIFEST).is_file():
+                source = Manifest.read(ckpt_dir).init_from
+        options = self.config_init[self.subcommand].checkpoint.as_dict()
+        return StepCheckpoint(**options, resume_from=self.plan.load_path,
+                              record=RunRecord(resolved, self.plan.lineage, source))
 
     def _check_inputs(self) -> None:
         """Refuse a checkpoint of the wrong format and a data path with no prepared data now, before Lightning
@@ -207,29 +243,7 @@ class NormlabCLI(LightningCLI):
         self._check_inputs()
         if self.plan.parent is not None:
             self._check_branch(self.plan.parent)
-        source = None  # --init_from: the source a fresh run starts from, or the one a resumed run recorded
-        if self.plan.parent is None and self.plan.load_path:
-            ckpt_dir = layout.ckpt_dir_of(self.plan.load_path)
-            if (ckpt_dir / layout.MANIFEST).is_file():
-                source = Manifest.read(ckpt_dir).init_from
-        elif self.plan.parent is None and self._init_source is not None:
-            source = init_from.attach(self.model, self.trainer, self.datamodule, self._init_source)
-        for callback in self.trainer.callbacks:
-            if isinstance(callback, StepCheckpoint):
-                callback.resume_from = self.plan.load_path  # checked against the run before anything loads
-                callback.branched_from = self.plan.lineage
-                callback.init_from = source
 
     def after_fit(self) -> None:
         log_closing_lines(self.trainer, Path(self.trainer.default_root_dir) / layout.CONFIG_FILE)
 
-
-class RunConfig(SaveConfigCallback):
-    """Lightning's config saving (`<run dir>/config.yaml`), also handing the same resolved config to
-    `StepCheckpoint`, which copies it beside every checkpoint (nulls too: a complete record)."""
-
-    def save_config(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        text = self.parser.dump(self.config, skip_unset=False)
-        for callback in trainer.callbacks:
-            if isinstance(callback, StepCheckpoint):
-                callback.resolved_config = text

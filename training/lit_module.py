@@ -25,6 +25,7 @@ from torch import Tensor
 
 from model import ModelConfig, Transformer
 from model.optimize import compile_blocks, enable_activation_checkpointing
+from training.checkpointing.init_from import InitFrom
 from training.errors import UserError
 from training.eval.metrics import LossTotals, batch_loss, perplexity, split_batch
 from training.optim import OptimConfig, build_optimizer, check_group_names, param_groups
@@ -71,7 +72,6 @@ class LitLM(LightningModule):
         self.save_hyperparameters(ignore=["optim"])
         self.hparams["optim"] = dataclasses.asdict(self.optim)
         self.model: Transformer | None = None
-        self.init_from: Any = None  # `fit --init_from`: fills the model once built (checkpointing/init_from.py)
         self._micro_losses: list[Tensor] = []  # this update's micro-batch losses so far
 
     def setup(self, stage: str) -> None:
@@ -84,8 +84,9 @@ class LitLM(LightningModule):
         # parameter is partitioned as it is created and no rank ever holds the full model.
         if self.model is None:
             self.model = Transformer(self.config)
-            if self.init_from is not None:  # before DeepSpeed copies the weights into its optimizer
-                self.init_from.load_into(self)
+            init = self._init_from()
+            if init is not None:  # before DeepSpeed copies the weights into its optimizer
+                init.load_into(self)
             if self.config.tie_embeddings and hasattr(self.model.tok_embeddings.weight, "ds_id"):
                 # ZeRO-3: a tied head reads the embedding's weight in Transformer.forward, after the embedding
                 # module's hook released it; registered, it is fetched for the whole forward.
@@ -95,6 +96,15 @@ class LitLM(LightningModule):
             enable_activation_checkpointing(self.model, self.activation_checkpointing)
             if self.compile:
                 compile_blocks(self.model)
+
+    def _init_from(self) -> InitFrom | None:
+        """`fit --init_from`: the run's source of weights, one of its trainer's callbacks (the CLI builds it with
+        the others), which fills the model once built (checkpointing/init_from.py); None without one."""
+        try:
+            callbacks = self.trainer.callbacks
+        except RuntimeError:  # not attached to a trainer (a module built and configured by hand)
+            return None
+        return next((c for c in callbacks if isinstance(c, InitFrom)), None)
 
     def forward(self, tokens: Tensor) -> Tensor:
         return self.model(tokens)

@@ -37,6 +37,7 @@ from data.prepare import DEFAULT_OUTPUT
 from training import compat
 from training.callbacks import NonFiniteGuard, RNGState, StepCheckpoint, Throughput, TrainingHealth
 from training.callbacks.downstream import DownstreamEval
+from training.callbacks.order import arrange
 from training.callbacks.progress import step_counting
 from training.callbacks.summary import log_closing_lines, with_norm_summary
 from training.checkpointing import branch, init_from, layout, resume
@@ -175,17 +176,12 @@ class NormlabCLI(LightningCLI):
         if not any(isinstance(c, ProgressBar) for c in config.get("callbacks") or []):  # none configured:
             trainer.callbacks[:] = [step_counting(c) for c in trainer.callbacks]  # Lightning's default bar
         trainer.callbacks[:] = with_norm_summary(trainer.callbacks, config.get("callbacks") or [])
-        # The run's own callbacks, each built complete with what the plan decided.
+        # The run's own callbacks, each built complete with what the plan decided, then every callback in the order
+        # training/callbacks/order.py states.
         init = self._init_from()
-        checkpoint = self._step_checkpoint(trainer, init)
-        trainer.callbacks.insert(next(i for i, c in enumerate(trainer.callbacks) if isinstance(c, Throughput)),
-                                 checkpoint)
-        # First of all callbacks: every other callback's on_train_batch_start must see the restored RNG stream.
-        trainer.callbacks.insert(0, RNGState())
-        if self.plan.parent is not None:
-            trainer.callbacks.insert(1, branch.BranchSchedule(self.plan.parent.step))
-        if init is not None:
-            trainer.callbacks.append(init)
+        run = [RNGState(), self._step_checkpoint(trainer, init)]
+        run += [branch.BranchSchedule(self.plan.parent.step)] if self.plan.parent is not None else []
+        trainer.callbacks[:] = arrange(trainer.callbacks + run + ([init] if init is not None else []))
         return trainer
 
     def _init_from(self) -> init_from.InitFrom | None:

@@ -11,7 +11,7 @@ rest of the training code asks of it instead of its name:
 - `build(groups, cfg)`: the `torch.optim.Optimizer` over `param_groups`, one to Lightning.
 
 Adding an optimizer is one subclass and one `OPTIMIZERS` entry: `optim.name`'s valid values, its options and their
-checks, the parameter groups, the DeepSpeed check and the registry-driven tests (tests/test_optimizers.py) follow.
+checks, the parameter groups, the DeepSpeed check and the registry-driven tests follow.
 The LR, its schedule and the groups' multipliers and weight decay (`optim.*`) apply to every optimizer; AdamW's
 `optim.betas` and `optim.eps` stay there too, since both optimizers here run AdamW on the parameters they do not
 drive otherwise.

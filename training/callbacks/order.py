@@ -30,7 +30,7 @@ ORDER: tuple[tuple[type[Callback] | None, str], ...] = (
     (BranchSchedule, "before any other on_train_start: a branch's own LR schedule is in place before anything else "
                      "sees the optimizer"),
     (REST, "the callbacks configured in trainer.callbacks come before the run's own: one that changes the loss or "
-           "the gradients (tests/helpers/faults.py) acts before the guard judges them"),
+           "the gradients (a fault injector, an extra loss term) acts before the guard judges them"),
     (TrainingHealth, "on_before_optimizer_step before the guard's: the step's gradient norms are logged before the "
                      "guard drops the gradients of a step it skips, or stops the run"),
     (NonFiniteGuard, "on_train_batch_end before the checkpoint's: the step's verdict is settled (an applied update "

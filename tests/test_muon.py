@@ -70,8 +70,8 @@ def train(model: Transformer, cfg: OptimConfig, steps: int, opt=None, seed: int 
 def test_muon_drives_the_block_matrices_and_adamw_the_rest(adjust):
     model = tiny()
     start = {n: p.detach().clone() for n, p, _ in named_kinds(model)}
-    cfg = OptimConfig(name="muon", lr=2e-2, warmup_steps=0, schedule="constant", muon_momentum=0.9,
-                      muon_adjust_lr=adjust)
+    cfg = OptimConfig(name="muon", lr=2e-2, warmup_steps=0, schedule="constant",
+                      options={"momentum": 0.9, "adjust_lr": adjust})
     opt, grads = train(model, cfg, steps=3)
     algorithm = {id(p): (g["algorithm"], g["weight_decay"]) for g in opt.param_groups for p in g["params"]}
     for name, p, kind in named_kinds(model):

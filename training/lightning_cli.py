@@ -2,7 +2,8 @@
 
 Config groups (all settable in YAML via `-c` and as dotted flags):
   model.*       LitLM: `preset` plus any ModelConfig field (`--model.placement post`)
-  optim.*       OptimConfig: AdamW + LR schedule (`--optim.lr 3e-4`)
+  optim.*       OptimConfig: the optimizer (`--optim.name muon --optim.options.momentum 0.9`, training/optimizers.py),
+                its parameter groups and LR schedule (`--optim.lr 3e-4`)
   data.*        TokenDataModule (`--data.path`, `--data.seq_len`, `--data.batch_size`)
   trainer.*     Lightning Trainer (`--trainer.max_steps`, `--trainer.devices`, `--trainer.strategy zero2`)
   checkpoint.*  StepCheckpoint (`--checkpoint.every_n_steps`, `--checkpoint.keep_last_n`)
@@ -23,6 +24,7 @@ Defaults: configs/default.yaml (the default job), then `-c` files in order, then
 """
 from __future__ import annotations
 
+import argparse
 import logging
 import sys
 from pathlib import Path
@@ -30,7 +32,7 @@ from typing import Any, Literal, Optional
 
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.fabric.utilities.exceptions import MisconfigurationException
-from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 
@@ -39,6 +41,7 @@ from data.prepare import DEFAULT_OUTPUT
 from training import cli_checks, cluster, compat, signals
 from training.callbacks import NonFiniteGuard, RNGState, StepCheckpoint, Throughput, TrainingHealth
 from training.callbacks.downstream import DownstreamEval
+from training.callbacks.order import arrange
 from training.callbacks.progress import step_counting
 from training.callbacks.summary import log_closing_lines, with_norm_summary
 from training.callbacks.timeout import CollectiveTimeout
@@ -47,10 +50,11 @@ from training.checkpointing.layout import complete_checkpoints, step_of
 from training.checkpointing.manifest import Manifest
 from training.checkpointing.plan import RunPlan, plan
 from training.checkpointing.safe import SafeCheckpointIO, no_code_from_checkpoints, refuse_code
+from training.checkpointing.save import RunRecord
 from training.errors import UserError, is_user_error
 from training.lit_module import lit_lm
 from training.loggers import LOGGERS, RecordLoggerRuns, run_loggers, start_wandb
-from training.optim import OptimConfig
+from training.optim import OptimConfig, renamed_option
 from training.run_lock import RunLock, acquire, is_first_rank
 from training.strategy import default_precision, is_deepspeed, resolve_strategy  # registers zeroN
 from training.subcommands import LIGHTNING_SUBCOMMANDS
@@ -79,6 +83,7 @@ class NormlabCLI(LightningCLI):
 
     def __init__(self, args: list[str] | None = None) -> None:
         self.plan: RunPlan | None = None  # set before the classes are built (before_instantiate_classes)
+        self._init_source: init_from.Source | None = None  # --init_from's source, prepared there too
         self.lock: RunLock | None = None  # the run directory's, held by the job's first rank while it runs
         try:
             self._run_cli(args)
@@ -91,7 +96,7 @@ class NormlabCLI(LightningCLI):
         super().__init__(
             lit_lm,
             TokenDataModule,
-            save_config_callback=RunConfig,
+            save_config_callback=SaveConfigCallback,
             save_config_kwargs={"overwrite": True},  # runs/<name>/config.yaml: rewritten on resume
             auto_configure_optimizers=False,  # LitLM.configure_optimizers builds groups + schedule
             # exit_on_error=False: a parse error is raised (argparse.ArgumentError) and `normlab` prints it as one
@@ -101,6 +106,15 @@ class NormlabCLI(LightningCLI):
                            **{sub: {"default_config_files": [str(DEFAULT_CONFIG)]} for sub in LIGHTNING_SUBCOMMANDS}},
             args=args,
         )
+
+    def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
+        try:
+            super().parse_arguments(parser, args)
+        except argparse.ArgumentError as err:  # an old name of a renamed option: say what it is called now
+            hint = renamed_option(str(err))
+            if hint is None:
+                raise
+            raise UserError(hint) from err
 
     def _subcommand_defaults(self) -> Any:
         """The running subcommand's defaults (configs/default.yaml and the classes' own): --init_from takes a model
@@ -139,7 +153,9 @@ class NormlabCLI(LightningCLI):
         # `model.max_seq_len` still override them): read from the built datamodule, before the model is built.
         parser.link_arguments("data.vocab_size", "model.data_vocab_size", apply_on="instantiate")
         parser.link_arguments("data.seq_len", "model.data_seq_len", apply_on="instantiate")
-        parser.add_lightning_class_args(StepCheckpoint, "checkpoint")
+        # Built by `instantiate_trainer` with the run's state (what it resumes, what its manifests record).
+        parser.add_class_arguments(StepCheckpoint, "checkpoint", skip={"resume_from", "record"}, instantiate=False,
+                                   fail_untyped=False, sub_configs=True)
         parser.add_lightning_class_args(Throughput, "throughput")
         parser.add_lightning_class_args(TrainingHealth, "metrics")
         parser.add_lightning_class_args(NonFiniteGuard, "guard")
@@ -200,12 +216,38 @@ class NormlabCLI(LightningCLI):
         if not any(isinstance(c, ProgressBar) for c in config.get("callbacks") or []):  # none configured:
             trainer.callbacks[:] = [step_counting(c) for c in trainer.callbacks]  # Lightning's default bar
         trainer.callbacks[:] = with_norm_summary(trainer.callbacks, config.get("callbacks") or [])
-        # First of all callbacks: every other callback's on_train_batch_start must see the restored RNG stream.
-        trainer.callbacks.insert(0, RNGState())
-        trainer.callbacks.append(CollectiveTimeout(cluster_config.timeout))
-        if self.plan.parent is not None:
-            trainer.callbacks.insert(1, branch.BranchSchedule(self.plan.parent.step))
+        # The run's own callbacks, each built complete with what the plan decided, then every callback in the order
+        # training/callbacks/order.py states.
+        init = self._init_from()
+        run = [RNGState(), self._step_checkpoint(trainer, init), CollectiveTimeout(cluster_config.timeout)]
+        run += [branch.BranchSchedule(self.plan.parent.step)] if self.plan.parent is not None else []
+        trainer.callbacks[:] = arrange(trainer.callbacks + run + ([init] if init is not None else []))
         return trainer
+
+    def _init_from(self) -> init_from.InitFrom | None:
+        """A fresh fit's `--init_from` source, checked against the data (`LitLM.configure_model` finds it among the
+        trainer's callbacks); None for a resume or branch, whose weights come from the checkpoint."""
+        if self._init_source is None or self.plan.parent is not None or self.plan.load_path:
+            return None
+        init_from.check_tokenizer(self._init_source, self.datamodule.tokenizer_path,
+                                  self.datamodule.meta["tokenizer_sha256"])
+        return init_from.InitFrom(self._init_source)
+
+    def _step_checkpoint(self, trainer: Trainer, init: init_from.InitFrom | None) -> StepCheckpoint:
+        """The `checkpoint` group's StepCheckpoint with the checkpoint this run loads and what its manifests record:
+        the resolved config (what the config saver writes to config.yaml, nulls too: a complete record; none
+        when nothing is saved, as under fast_dev_run), the lineage, and the --init_from source (a resumed run's:
+        the one its checkpoint recorded)."""
+        saver = next((c for c in trainer.callbacks if isinstance(c, SaveConfigCallback)), None)
+        resolved = saver.parser.dump(saver.config, skip_unset=False) if saver is not None else None
+        source = init.source.record() if init is not None else None
+        if self.subcommand == "fit" and self.plan.parent is None and self.plan.load_path:
+            ckpt_dir = layout.ckpt_dir_of(self.plan.load_path)
+            if (ckpt_dir / layout.MANIFEST).is_file():
+                source = Manifest.read(ckpt_dir).init_from
+        options = self.config_init[self.subcommand].checkpoint.as_dict()
+        return StepCheckpoint(**options, resume_from=self.plan.load_path,
+                              record=RunRecord(resolved, self.plan.lineage, source))
 
     def _check_inputs(self) -> None:
         """Refuse a checkpoint of the wrong format and a data path with no prepared data now, before Lightning
@@ -250,20 +292,9 @@ class NormlabCLI(LightningCLI):
         self._check_inputs()
         if self.plan.parent is not None:
             self._check_branch(self.plan.parent)
-        source = None  # --init_from: the source a fresh run starts from, or the one a resumed run recorded
-        if self.plan.parent is None and self.plan.load_path:
-            ckpt_dir = layout.ckpt_dir_of(self.plan.load_path)
-            if (ckpt_dir / layout.MANIFEST).is_file():
-                source = Manifest.read(ckpt_dir).init_from
-        elif self.plan.parent is None and self._init_source is not None:
-            source = init_from.attach(self.model, self.trainer, self.datamodule, self._init_source)
         for callback in self.trainer.callbacks:
             if isinstance(callback, DownstreamEval):
                 callback.load_tasks()  # an unknown task: one line, before the logger writes the run directory
-            if isinstance(callback, StepCheckpoint):
-                callback.resume_from = self.plan.load_path  # checked against the run before anything loads
-                callback.branched_from = self.plan.lineage
-                callback.init_from = source
         start_wandb(self.trainer.loggers)  # last: every check above passed
 
     def after_fit(self) -> None:
@@ -287,13 +318,3 @@ class NormlabCLI(LightningCLI):
         cluster.requeue(Path(trainer.default_root_dir), trainer.global_step, f"warned by SIG{settings.signal}",
                         settings.max_requeues)
 
-
-class RunConfig(SaveConfigCallback):
-    """Lightning's config saving (`<run dir>/config.yaml`), also handing the same resolved config to
-    `StepCheckpoint`, which copies it beside every checkpoint (nulls too: a complete record)."""
-
-    def save_config(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        text = self.parser.dump(self.config, skip_unset=False)
-        for callback in trainer.callbacks:
-            if isinstance(callback, StepCheckpoint):
-                callback.resolved_config = text

@@ -1,7 +1,8 @@
 """LitLM: the LightningModule that trains a `model.Transformer` with next-token cross-entropy.
 
-Thin on purpose: the optimizer and schedule live in `optim.py`, DeepSpeed in `strategy.py`, checkpoints in
-`checkpoint.py` and `callbacks/step_checkpoint.py`, throughput, RNG and the guard in `callbacks/`.
+Thin on purpose: the parameter groups and schedule live in `optim.py`, the optimizers in `optimizers.py`, DeepSpeed
+in `strategy.py`, checkpoints in `checkpointing/` and `callbacks/step_checkpoint.py`, throughput, RNG and the guard
+in `callbacks/`.
 
 The model's fields are `ModelConfig`'s own, read from the dataclass (`model_fields`): LightningCLI builds the
 module with `lit_lm`, whose signature offers each as `--model.<field>` (e.g. `--model.placement post`), each None
@@ -24,6 +25,7 @@ from torch import Tensor
 
 from model import ModelConfig, Transformer
 from model.optimize import compile_blocks, enable_activation_checkpointing
+from training.checkpointing.init_from import InitFrom
 from training.errors import UserError
 from training.eval.metrics import LossTotals, batch_loss, perplexity, split_batch
 from training.loggers import log_scalars
@@ -71,7 +73,6 @@ class LitLM(LightningModule):
         self.save_hyperparameters(ignore=["optim"])
         self.hparams["optim"] = dataclasses.asdict(self.optim)
         self.model: Transformer | None = None
-        self.init_from: Any = None  # `fit --init_from`: fills the model once built (checkpointing/init_from.py)
         self._micro_losses: list[Tensor] = []  # this update's micro-batch losses so far
 
     def setup(self, stage: str) -> None:
@@ -84,8 +85,9 @@ class LitLM(LightningModule):
         # parameter is partitioned as it is created and no rank ever holds the full model.
         if self.model is None:
             self.model = Transformer(self.config)
-            if self.init_from is not None:  # before DeepSpeed copies the weights into its optimizer
-                self.init_from.load_into(self)
+            init = self._init_from()
+            if init is not None:  # before DeepSpeed copies the weights into its optimizer
+                init.load_into(self)
             if self.config.tie_embeddings and hasattr(self.model.tok_embeddings.weight, "ds_id"):
                 # ZeRO-3: a tied head reads the embedding's weight in Transformer.forward, after the embedding
                 # module's hook released it; registered, it is fetched for the whole forward.
@@ -95,6 +97,15 @@ class LitLM(LightningModule):
             enable_activation_checkpointing(self.model, self.activation_checkpointing)
             if self.compile:
                 compile_blocks(self.model)
+
+    def _init_from(self) -> InitFrom | None:
+        """`fit --init_from`: the run's source of weights, one of its trainer's callbacks (the CLI builds it with
+        the others), which fills the model once built (checkpointing/init_from.py); None without one."""
+        try:
+            callbacks = self.trainer.callbacks
+        except RuntimeError:  # not attached to a trainer (a module built and configured by hand)
+            return None
+        return next((c for c in callbacks if isinstance(c, InitFrom)), None)
 
     def forward(self, tokens: Tensor) -> Tensor:
         return self.model(tokens)
@@ -193,9 +204,9 @@ class LitLM(LightningModule):
             self.log(f"train/lr_{group['name']}", lr)
 
     def configure_optimizers(self) -> dict[str, Any]:
-        if self.optim.name == "muon" and is_deepspeed(self.trainer.strategy):
-            raise UserError("optim.name=muon does not run under DeepSpeed: ZeRO gives the optimizer flat 1-D shards "
-                            "of the parameters and Muon's Newton–Schulz step needs each whole 2-D matrix; use "
+        refusal = self.optim.optimizer().zero_refusal
+        if refusal and is_deepspeed(self.trainer.strategy):
+            raise UserError(f"optim.name={self.optim.name} does not run under DeepSpeed: {refusal}; use "
                             "--trainer.strategy auto or ddp (or optim.name=adamw with DeepSpeed)")
         optimizer, schedule = build_optimizer(self.model, self.optim, self.trainer.estimated_stepping_batches)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
@@ -219,9 +230,13 @@ def logs_this_update(trainer: Any, global_step: int) -> bool:
 
 
 @model_fields
-def lit_lm(preset: str = "llama", optim: OptimConfig | None = None, compile: bool = False,
+def lit_lm(preset: str = "llama", optim: OptimConfig | dict[str, Any] | None = None, compile: bool = False,
            activation_checkpointing: bool = False, data_vocab_size: int | None = None,
            data_seq_len: int | None = None, **fields: Any) -> LitLM:
     """`LitLM(...)` as LightningCLI's `model` group: its signature lists every `ModelConfig` field (see
-    `model_fields`; on `LitLM.__init__` itself it would confuse Lightning's `save_hyperparameters`)."""
+    `model_fields`; on `LitLM.__init__` itself it would confuse Lightning's `save_hyperparameters`).
+
+    `optim` is the `optim` group, linked in by the CLI. LightningCLI also parses a `--ckpt_path FILE`'s recorded
+    hyper-parameters into this group (the link then replaces `optim`), so any recorded form is accepted here: a
+    checkpoint from before `optim.options` records the flat `muon_*` fields."""
     return LitLM(preset, optim, compile, activation_checkpointing, data_vocab_size, data_seq_len, **fields)

@@ -1,4 +1,5 @@
-"""The optimizer (AdamW, or Muon with AdamW), its parameter groups, and the warm-up + decay LR schedule.
+"""The optimizer's config, its parameter groups, and the warm-up + decay LR schedule; the optimizers themselves
+(AdamW, Muon with AdamW) are a registry in training/optimizers.py (`optim.name`, `optim.options`).
 
 Weight decay pulls weights towards zero. On norm gains that fights the gain's job (it should sit near 1),
 on biases it buys nothing, and on embeddings it shrinks rarely-seen tokens' rows every step — so by default
@@ -25,14 +26,13 @@ from model.layers import Embedding
 from model.mup import hidden_lr_mult
 from model.norms import DyT, Norm
 from training.errors import UserError
-from training.muon import MUON_ADJUST_LR, MuonWithAdamW
+from training.optimizers import Optimizer, lookup
 
 if TYPE_CHECKING:
     from model.config import ModelConfig
 
 SCHEDULES = ("cosine", "linear", "constant", "wsd")
 DECAY_SHAPES = ("linear", "cosine", "1-sqrt")
-OPTIMIZERS = ("adamw", "muon")
 # norm: gains (and LayerNorm's / DyT's β); dyt_alpha: DyT's scalar α; head: an untied LM head; weight: the blocks'
 # matrices. As `no_decay` entries, "norm" also covers dyt_alpha and "weight" the head (KIND_PARENT).
 PARAM_KINDS = ("norm", "dyt_alpha", "bias", "embedding", "head", "weight")
@@ -92,10 +92,9 @@ class OptimConfig:
     """Optimizer hyper-parameters and the LR schedule: `warmup_steps` linear warm-up to `lr`, then `schedule` down
     to `min_lr` at step `decay_steps` (None: the trainer's total steps), then `min_lr`.
 
-    `name`: adamw, or muon — torch.optim.Muon on the blocks' 2-D matrices and AdamW (`betas`, `eps`) on the rest
-    (embeddings, LM head, norms, biases), as modded-nanogpt and nanochat split them. Muon's LR is `lr` (× its group's
-    lr_mult) adjusted by `muon_adjust_lr`: match_rms_adamw (0.2·√max(fan_out, fan_in): AdamW's update RMS, so one
-    `lr` and `weight_decay` serve both) or original (√max(1, fan_out/fan_in), Keller Jordan's).
+    `name`: the optimizer, one of training/optimizers.py's `OPTIMIZERS` — adamw, or muon (torch.optim.Muon on the
+    blocks' 2-D matrices, AdamW with `betas` and `eps` on the rest); `options`: that optimizer's own settings, its
+    fields (muon: momentum, nesterov, ns_steps, adjust_lr), e.g. {momentum: 0.9}; unset ones take its defaults.
 
     `wsd` (warmup–stable–decay; Hu et al. 2024, Hägele et al. 2024) holds `lr` after the warm-up and decays
     only over the last `decay_fraction` of the run's steps, in `decay_shape`: linear, cosine or 1-sqrt
@@ -114,11 +113,8 @@ class OptimConfig:
     decay_shape: str = "linear"  # wsd: linear | cosine | 1-sqrt
     z_loss: float = 0.0  # w of the z-loss w · log²Z (PaLM: 1e-4); 0: off. Inside the chunked LM-head loss.
     groups: dict[str, dict[str, Any]] = field(default_factory=dict)  # name → {kind, pattern, lr_mult, weight_decay}
-    name: str = "adamw"  # adamw | muon
-    muon_momentum: float = 0.95
-    muon_nesterov: bool = True
-    muon_ns_steps: int = 5  # Newton–Schulz iterations
-    muon_adjust_lr: str = "match_rms_adamw"  # match_rms_adamw | original
+    name: str = "adamw"  # adamw | muon (training/optimizers.py)
+    options: dict[str, Any] = field(default_factory=dict)  # the chosen optimizer's own settings
 
     def __post_init__(self) -> None:
         if self.schedule not in SCHEDULES:
@@ -130,17 +126,7 @@ class OptimConfig:
                              "(0.2: the last 20% of steps)")
         if not self.z_loss >= 0:
             raise ValueError(f"optim.z_loss={self.z_loss} must be >= 0 (0 turns it off; PaLM uses 1e-4)")
-        if self.name not in OPTIMIZERS:
-            raise ValueError(f"optim.name={self.name!r} is not valid; choose one of {list(OPTIMIZERS)}")
-        if self.name == "muon" and not hasattr(torch.optim, "Muon"):
-            raise ValueError(f"optim.name=muon needs torch.optim.Muon, which PyTorch added in 2.9; this is torch "
-                             f"{torch.__version__}: pip install 'torch>=2.9', or use optim.name=adamw")
-        if self.muon_adjust_lr not in MUON_ADJUST_LR:
-            raise ValueError(f"optim.muon_adjust_lr={self.muon_adjust_lr!r} is not valid; choose one of "
-                             f"{list(MUON_ADJUST_LR)}")
-        if not (0 <= self.muon_momentum < 1 and 0 < self.muon_ns_steps < 100):
-            raise ValueError(f"optim needs 0 <= muon_momentum < 1 and 0 < muon_ns_steps < 100, got "
-                             f"{self.muon_momentum}, {self.muon_ns_steps}")
+        self.optimizer()  # a name or option that is not valid: one error line
         for name, entry in (self.groups or {}).items():
             _check_group(name, entry)
         unknown = set(self.no_decay) - set(PARAM_KINDS)
@@ -161,6 +147,22 @@ class OptimConfig:
                 f"optim needs warmup_steps >= 0 and decay_steps > warmup_steps, "
                 f"got warmup_steps={self.warmup_steps}, decay_steps={self.decay_steps}"
             )
+
+
+    def optimizer(self) -> Optimizer:
+        """The optimizer `name` with its `options` (training/optimizers.py)."""
+        return lookup(self.name, self.options)
+
+
+# The flat Muon fields that `optim.options` replaced: an old config naming one gets one line naming the new key.
+RENAMED = {f"optim.muon_{key}": f"optim.options.{key}" for key in ("momentum", "nesterov", "ns_steps", "adjust_lr")}
+
+
+def renamed_option(message: str) -> str | None:
+    """For a parse error `message` that names a renamed option: the one line saying what it is called now."""
+    old = next((name for name in RENAMED if re.search(rf"\b{re.escape(name)}\b", message)), None)
+    return None if old is None else (f"{old} is now {RENAMED[old]} (with optim.name: muon); rename it in the config "
+                                     "file or on the command line")
 
 
 def param_kind(owner: nn.Module, name: str, head: nn.Parameter | None = None) -> str:
@@ -220,11 +222,13 @@ def param_groups(model: nn.Module, cfg: OptimConfig) -> list[dict]:
     """The optimizer's parameter groups, each {"name", "params", "lr", "lr_mult", "weight_decay", "algorithm"}.
 
     A parameter lands in its `optim.groups` entry, else in "decay" / "no_decay" (by `no_decay`); within a group,
-    block matrices driven by Muon (`optim.name: muon`) go to "<group>/muon", and under μP (`mup`, the model's
+    block matrices that the optimizer drives by another algorithm (its `matrix_algorithm`, e.g. Muon's) go to
+    "<group>/<that algorithm>", and under μP (`mup`, the model's
     config, `model.cfg`, says parametrization="mup") AdamW's hidden matrices go to "<group>/hidden" with the
     LR × base/width (model/mup.py).
     Empty groups are dropped; each parameter appears once, even when tied."""
     specs = group_specs(cfg)
+    optimizer = cfg.optimizer()
     mup: ModelConfig | None = getattr(model, "cfg", None)
     buckets: dict[str, dict] = {}
     for p, base, kind in _assign(model, cfg):
@@ -234,9 +238,10 @@ def param_groups(model: nn.Module, cfg: OptimConfig) -> list[dict]:
             wd = spec.weight_decay
         else:
             wd = cfg.weight_decay if (_decays(kind, cfg) if spec else base == "decay") else 0.0
-        name, algorithm = base, "adamw"
-        if kind == "weight" and cfg.name == "muon" and p.ndim == 2:
-            name, algorithm = f"{base}/muon", "muon"
+        name, algorithm = base, optimizer.algorithm
+        if kind == "weight" and optimizer.matrix_algorithm and p.ndim == 2:
+            algorithm = optimizer.matrix_algorithm
+            name = f"{base}/{algorithm}"
         elif kind == "weight" and getattr(mup, "parametrization", "standard") == "mup":
             name, lr_mult = f"{base}/hidden", lr_mult * hidden_lr_mult(mup)
         group = buckets.setdefault(name, {"name": name, "params": [], "lr": cfg.lr * lr_mult, "lr_mult": lr_mult,
@@ -270,17 +275,6 @@ def lr_factor(step: int, cfg: OptimConfig, total_steps: int) -> float:
     return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def make_optimizer(groups: list[dict], cfg: OptimConfig) -> torch.optim.Optimizer:
-    """The optimizer over `param_groups`: AdamW, or (`optim.name: muon`) one optimizer holding Muon for the
-    groups whose "algorithm" is muon and AdamW for the rest (training/muon.py: one optimizer to Lightning)."""
-    adamw = dict(lr=cfg.lr, betas=cfg.betas, eps=cfg.eps)
-    if cfg.name == "muon":
-        muon = dict(lr=cfg.lr, momentum=cfg.muon_momentum, nesterov=cfg.muon_nesterov, ns_steps=cfg.muon_ns_steps,
-                    adjust_lr_fn=cfg.muon_adjust_lr)
-        return MuonWithAdamW(groups, adamw=adamw, muon=muon)
-    return torch.optim.AdamW(groups, **adamw, fused=use_fused(groups))
-
-
 def build_optimizer(
     model: nn.Module, cfg: OptimConfig, total_steps: int
 ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
@@ -290,20 +284,10 @@ def build_optimizer(
         raise ValueError("optim.decay_steps is unset and the trainer's total steps are unknown: set one of "
                          "--optim.decay_steps or --trainer.max_steps")
     groups = param_groups(model, cfg)
-    optimizer = make_optimizer(groups, cfg)
+    optimizer = cfg.optimizer().build(groups, cfg)
     setattr(optimizer, GROUP_HPARAMS, [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups])
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, partial(lr_factor, cfg=cfg, total_steps=int(total_steps)))
     return optimizer, schedule
-
-
-def use_fused(groups: list[dict]) -> bool:
-    """torch's fused AdamW (one kernel for the whole update, no per-step host reads of its step counters) when
-    every parameter is on a CUDA device — on one GPU and under DDP, where Lightning moves the model before it
-    builds the optimizer. Not under ZeRO: Lightning builds the optimizer before DeepSpeed moves the model, and
-    DeepSpeed then steps it over its own fp32 partitions (foreach AdamW)."""
-    params = [p for group in groups for p in group["params"]]
-    return bool(params) and all(p.is_cuda for p in params)
-
 
 
 def check_group_names(saved: list[str | None], groups: list[dict]) -> None:

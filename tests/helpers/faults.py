@@ -62,7 +62,7 @@ class InjectLossSpike(Callback):
     """Multiplies the training loss by `factor`, on every rank and micro-batch of each of `steps` (update numbers),
     just before its backward — a loss spike, as after a burst of bad data, but sure to stand out on a tiny model
     that is still near uniform (where even random tokens barely raise the loss). It must come before the guard
-    in the callback list (the CLI appends the guard after the configured callbacks)."""
+    in the callback list, as every configured callback does (training/callbacks/order.py)."""
 
     def __init__(self, steps: list[int], factor: float = 10.0) -> None:
         self.steps, self.factor = set(steps), factor

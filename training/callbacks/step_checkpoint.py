@@ -11,6 +11,7 @@ Old checkpoints are purged only after a new one is complete.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import shutil
 from pathlib import Path
@@ -40,29 +41,28 @@ class StepCheckpoint(Callback):
     the module docstring), keeping the newest `keep_last_n` complete checkpoints (None: all), and the step the
     fit ends at — also on SIGTERM / Ctrl-C. `every_n_steps=0` disables every checkpoint, the final one too.
 
-    The run directory is the trainer's `default_root_dir` (the CLI sets it to `runs/<name>`).
-    `resolved_config` is the YAML text of the run's full configuration, `resume_from` the resolved
-    `--ckpt_path` and `branched_from` the parent of a cooldown branch (training/checkpointing/branch.py),
-    recorded in every manifest (all set by the CLI; Lightning only learns the checkpoint path after `setup`).
+    The run directory is the trainer's `default_root_dir` (the CLI sets it to `runs/<name>`). The run's own state
+    comes with the constructor (the CLI builds this callback with it; Lightning only learns the checkpoint path
+    after `setup`): `resume_from`, the checkpoint this fit loads (the resolved `--ckpt_path`, which every rank must
+    have resolved alike), and `record`, what every manifest of the run records — its full configuration as YAML, a
+    cooldown branch's lineage (training/checkpointing/branch.py), the `--init_from` source
+    (training/checkpointing/init_from.py); its git revision is this checkout's, taken at setup.
     """
 
-    def __init__(self, every_n_steps: int = 100, keep_last_n: int | None = None) -> None:
+    def __init__(self, every_n_steps: int = 100, keep_last_n: int | None = None, *, resume_from: str | None = None,
+                 record: RunRecord | None = None) -> None:
         if every_n_steps < 0:
             raise ValueError(f"checkpoint.every_n_steps={every_n_steps} must be >= 0 (0 disables checkpoints)")
         if keep_last_n is not None and keep_last_n < 2:
             # One is not enough: a checkpoint found corrupt later must have a predecessor to fall back to.
             raise ValueError(f"checkpoint.keep_last_n={keep_last_n} must be >= 2, or null to keep every checkpoint")
         self.every_n_steps, self.keep_last_n = every_n_steps, keep_last_n
-        self.resolved_config: str | None = None
-        self.resume_from: str | None = None
-        self.branched_from: dict[str, Any] | None = None
-        self.init_from: dict[str, Any] | None = None  # --init_from: the source (checkpointing/init_from.py)
+        self.resume_from, self.record = resume_from, record or RunRecord()
         self._last_saved = -1
         self._boundary = -1  # the global step of the last update boundary seen
         self._signals: signals.StopSignals | None = None  # the process's stop handlers (training/signals.py)
         self._max_steps: int | None = None  # the trainer's, while a stop has lowered it to the stop's step
         self._own_handlers = False  # installed here (no `normlab fit` around this fit): restored at its end
-        self._git_revision = "unknown"
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if stage != "fit":
@@ -82,7 +82,7 @@ class StepCheckpoint(Callback):
             raise CheckpointError(f"rank {trainer.global_rank} resolved the checkpoint {mine}, rank 0 {theirs}: "
                                   "the ranks do not see the same checkpoints directory (use shared storage)")
         if trainer.is_global_zero:
-            self._git_revision = git_revision()
+            self.record = dataclasses.replace(self.record, git_revision=git_revision())
             for path in incomplete_checkpoints(trainer.default_root_dir):
                 move_aside(path, "an interrupted save: no manifest")
         if mine is not None and (ckpt_dir_of(mine) / MANIFEST).is_file():
@@ -147,8 +147,7 @@ class StepCheckpoint(Callback):
 
     def save(self, trainer: Trainer, pl_module: LightningModule) -> Path:
         """Save this step (every rank: a collective), then remove checkpoints beyond `keep_last_n`."""
-        record = RunRecord(self.resolved_config, self.branched_from, self.init_from, self._git_revision)
-        path = save_step(trainer, pl_module, record)
+        path = save_step(trainer, pl_module, self.record)
         self._last_saved = trainer.global_step
         if trainer.is_global_zero and self.keep_last_n:
             self._purge(trainer.default_root_dir)

@@ -195,7 +195,8 @@ def first_val_tokens(datamodule: Any) -> torch.Tensor | None:
 
 class InitFrom(Callback):
     """Fills a LitLM's freshly built model from the source (`load_into`, called by `LitLM.configure_model`, before
-    any strategy wraps or shards it further), then logs the step-0 distance (`on_train_start`)."""
+    any strategy wraps or shards it further), then logs the step-0 distance (`on_train_start`). One of a fresh
+    fit's callbacks (the CLI builds it once the source's tokenizer is checked against the data's)."""
 
     def __init__(self, source: Source) -> None:
         self.source = source
@@ -301,13 +302,3 @@ def prepare(subcommand: str, config: Any, defaults: Any) -> Source:
     if changed:
         log.info("init_from: model fields that differ from the source's (surgery): %s", ", ".join(changed))
     return source
-
-
-def attach(lit: Any, trainer: Any, datamodule: Any, source: Source) -> dict[str, Any]:
-    """Before a fresh fit: check the tokenizer, make the module load the source when it builds its model, log the
-    step-0 distance; return the manifest record of the source."""
-    check_tokenizer(source, datamodule.tokenizer_path, datamodule.meta["tokenizer_sha256"])
-    init = InitFrom(source)
-    lit.init_from = init
-    trainer.callbacks.append(init)
-    return source.record()

@@ -2,8 +2,9 @@
 
 Prints the settings in which the runs' resolved configs differ, then one row of final metrics per run, read from
 its TensorBoard event files and newest checkpoint manifest:
-- the metric (`--metric`, any scalar tag, default `val/loss`): its last value, ± the standard deviation of its
-  last `--last` values (how settled it is);
+- the metric (`--metric`, any scalar tag; by default `val/loss`, else `train/loss` when some run never validated,
+  which the first line of the output says): its last value, ± the standard deviation of its last `--last` values
+  (how settled it is);
 - `bpb`: the last bits per byte (`val/bpb`, else `eval/val/bpb` from `normlab evaluate`), `-` when never logged;
 - `tokens`: tokens trained on (the manifest's `tokens_seen`, else steps × tokens per step from the config);
 - `tok/s`: mean `throughput/tokens_per_sec` over the last `--last` points;
@@ -40,6 +41,7 @@ log = logging.getLogger(__name__)
 
 IGNORED_KEYS = ("name", "trainer.default_root_dir", "ckpt_path")  # differ between any two runs, by design
 SEED_KEY = "seed_everything"  # the replicate key of `--group_by`
+DEFAULT_METRICS = ("val/loss", "train/loss")  # without --metric: the first of these that every run logs
 
 
 def _last(scalars: dict[str, list], tag: str) -> float | None:
@@ -176,10 +178,31 @@ def grouped(runs: list[dict[str, Any]], args: argparse.Namespace) -> str:
     return "\n".join(lines) + "\n"
 
 
+def choose_metric(runs: list[dict[str, Any]], metric: str | None) -> tuple[str, str | None]:
+    """(the metric compared, a line saying so when it is not the default). An explicit `metric` must be logged by
+    some run; without one, the first of DEFAULT_METRICS that every run logs."""
+    if metric is not None:
+        if any(metric in r["scalars"] for r in runs):
+            return metric, None
+        problem = f"--metric {metric!r} is logged by none of the runs"
+    else:
+        common = [tag for tag in DEFAULT_METRICS if all(tag in r["scalars"] for r in runs)]
+        if common and common[0] == DEFAULT_METRICS[0]:
+            return common[0], None
+        if common:
+            missing = ", ".join(str(r["dir"]) for r in runs if DEFAULT_METRICS[0] not in r["scalars"])
+            return common[0], f"metric: {common[0]} ({DEFAULT_METRICS[0]} is not logged by {missing}; --metric " \
+                              "chooses another)"
+        problem = f"none of {', '.join(DEFAULT_METRICS)} is logged by every run"
+    tags = sorted(plain_tags(t for r in runs for t in r["scalars"]), key=lambda t: not t.endswith("/loss"))
+    raise UserError(f"{problem}; choose a scalar tag they log with --metric, e.g. {', '.join(tags[:12])}")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="normlab compare", description=__doc__.split("\n\n")[0])
     ap.add_argument("runs", nargs="+", type=Path, help="run directories (runs/NAME)")
-    ap.add_argument("--metric", default="val/loss", help="the scalar tag compared (any TensorBoard tag, e.g. eval/...)")
+    ap.add_argument("--metric", help="the scalar tag compared (any TensorBoard tag, e.g. eval/...; default: val/loss, "
+                    "else train/loss when some run does not log val/loss)")
     ap.add_argument("--last", type=int, default=3, help="metric / throughput points the spread and mean use")
     ap.add_argument("--plot", type=Path, default=Path("compare.png"), help="where the loss-vs-tokens plot goes")
     ap.add_argument("--group_by", nargs="+", metavar="KEY", help="config keys that make a cell (seeds replicate)")
@@ -196,6 +219,7 @@ def main(argv: list[str] | None = None) -> int:
         if (args.baseline or args.margin is not None) and not args.group_by:
             raise UserError("--baseline and --margin compare cells: give --group_by KEY... too")
         runs = [read_run(path) for path in args.runs]
+        args.metric, why = choose_metric(runs, args.metric)
         if args.group_by:
             text = grouped(runs, args)
             from training.sweep import plots
@@ -203,14 +227,10 @@ def main(argv: list[str] | None = None) -> int:
 
             plots.curves(cells_of(group(runs, args.group_by, args.metric)), plots.curve_tags(args.metric), args.plot)
         else:
-            if not any(args.metric in r["scalars"] for r in runs):
-                tags = plain_tags(t for r in runs for t in r["scalars"])
-                raise UserError(f"--metric {args.metric!r} is logged by none of the runs; choose a scalar tag "
-                                f"they log, e.g. {', '.join(tags[:12])}")
             text = report(runs, [summary(r, args.last, args.metric) for r in runs], args.last, args.metric)
             plot(runs, args.plot, args.metric)
     except UserError as err:
         return report_error("compare", err)
-    sys.stdout.write(text)
+    sys.stdout.write(f"{why}\n\n{text}" if why else text)
     print(f"\nloss against tokens: {args.plot}")
     return 0

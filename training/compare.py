@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import difflib
 import logging
-import math
 import re
 import sys
 from pathlib import Path
@@ -34,8 +33,9 @@ import numpy as np
 
 from training.errors import UserError
 from training.errors import report as report_error
-from training.sweep.results import RunResult, plain_tags, read_run, result, tokens_per_step
-from training.sweep.state import RUN_RECORD  # what `normlab sweep` records of a run's last attempt
+from training.rundir import RunDir
+from training.sweep.results import TRAIN_LOSS, RunResult, plain_tags, result
+from training.sweep.state import alive
 
 log = logging.getLogger(__name__)
 
@@ -44,36 +44,32 @@ SEED_KEY = "seed_everything"  # the replicate key of `--group_by`
 DEFAULT_METRICS = ("val/loss", "train/loss")  # without --metric: the first of these that every run logs
 
 
-def _last(scalars: dict[str, list], tag: str) -> float | None:
-    return scalars[tag][-1][1] if scalars.get(tag) else None
-
-
-def summary(run: dict[str, Any], last: int, metric: str = "val/loss") -> dict[str, Any]:
-    s = run["scalars"]
+def summary(run: RunDir, last: int, metric: str = "val/loss") -> dict[str, Any]:
+    s = run.scalars
     val = [v for _, v in s.get(metric, [])]
-    bpb = _last(s, "val/bpb") if "val/bpb" in s else _last(s, "eval/val/bpb")
+    bpb = run.last("val/bpb") if "val/bpb" in s else run.last("eval/val/bpb")
     steps = max((points[-1][0] for tag, points in s.items() if tag.startswith("train/")), default=0)
-    manifest = run["manifest"]
+    manifest = run.manifest
     tokens = manifest.tokens_seen if manifest and manifest.step == steps else None
     layers = sorted((int(m.group(1)), tag) for tag in s if (m := re.fullmatch(r"resid/rms/L(\d+)", tag)))
     growth = None
     if layers:
-        top = _last(s, "resid/final_in") or _last(s, layers[-1][1])
-        growth = top / _last(s, layers[0][1]) if _last(s, layers[0][1]) else None
-    logits = [_last(s, tag) for tag in s if re.fullmatch(r"attn/max_logit/L\d+", tag)]
+        top = run.last("resid/final_in") or run.last(layers[-1][1])
+        growth = top / run.last(layers[0][1]) if run.last(layers[0][1]) else None
+    logits = [run.last(tag) for tag in s if re.fullmatch(r"attn/max_logit/L\d+", tag)]
     tps = [v for _, v in s.get("throughput/tokens_per_sec", [])[-last:]]
     return {
         "metric": val[-1] if val else None, "spread": float(np.std(val[-last:])) if val else None,
-        "bpb": bpb, "steps": steps, "tokens": tokens if tokens is not None else steps * tokens_per_step(run),
+        "bpb": bpb, "steps": steps, "tokens": tokens if tokens is not None else steps * run.tokens_per_step(),
         "tokens_per_sec": float(np.mean(tps)) if tps else None,
         "max_attn_logit": max(logits) if logits else None, "resid_growth": growth,
     }
 
 
-def config_differences(runs: list[dict[str, Any]]) -> dict[str, list[Any]]:
-    keys = sorted(set().union(*(r["config"] for r in runs)) - set(IGNORED_KEYS))
-    return {k: [r["config"].get(k) for r in runs] for k in keys
-            if len({repr(r["config"].get(k)) for r in runs}) > 1}
+def config_differences(runs: list[RunDir]) -> dict[str, list[Any]]:
+    keys = sorted(set().union(*(r.flat_config for r in runs)) - set(IGNORED_KEYS))
+    return {k: [r.flat_config.get(k) for r in runs] for k in keys
+            if len({repr(r.flat_config.get(k)) for r in runs}) > 1}
 
 
 def _table(header: list[str], rows: list[list[str]]) -> str:
@@ -86,8 +82,8 @@ def _fmt(value: Any, spec: str = ".4f") -> str:
     return "-" if value is None else format(value, spec)
 
 
-def report(runs: list[dict[str, Any]], summaries: list[dict[str, Any]], last: int, metric: str = "val/loss") -> str:
-    names = [r["dir"].name for r in runs]
+def report(runs: list[RunDir], summaries: list[dict[str, Any]], last: int, metric: str = "val/loss") -> str:
+    names = [r.name for r in runs]
     diffs = config_differences(runs)
     parts = ["config differences:" if diffs else "config differences: none (apart from the run names)"]
     if diffs:
@@ -100,7 +96,7 @@ def report(runs: list[dict[str, Any]], summaries: list[dict[str, Any]], last: in
     return "\n".join(parts) + "\n"
 
 
-def plot(runs: list[dict[str, Any]], out: Path, metric: str = "val/loss") -> None:
+def plot(runs: list[RunDir], out: Path, metric: str = "val/loss") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -108,12 +104,12 @@ def plot(runs: list[dict[str, Any]], out: Path, metric: str = "val/loss") -> Non
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for run in runs:
-        per_step = tokens_per_step(run)
+        per_step = run.tokens_per_step()
         for tag, style in (("train/loss", "-"), (metric, "--")):
-            points = run["scalars"].get(tag, [])
+            points = run.scalars.get(tag, [])
             if points:
                 steps, values = zip(*points, strict=False)
-                ax.plot(np.array(steps) * per_step, values, style, label=f"{run['dir'].name} {tag}")
+                ax.plot(np.array(steps) * per_step, values, style, label=f"{run.name} {tag}")
     ax.set_xlabel("tokens")
     ax.set_ylabel("loss" if metric.endswith("loss") else f"loss, {metric}")
     ax.legend(fontsize=8)
@@ -126,42 +122,28 @@ def plot(runs: list[dict[str, Any]], out: Path, metric: str = "val/loss") -> Non
     tmp.replace(out)  # atomically
 
 
-def status(run: dict[str, Any], metric: str) -> str:
-    """finished (a checkpoint at trainer.max_steps), diverged (recorded so by `normlab sweep`, or a non-finite
-    train/loss or metric logged), else unfinished."""
-    import json
-
-    record = run["dir"] / RUN_RECORD
-    if record.is_file() and json.loads(record.read_text() or "{}").get("status") == "diverged":
-        return "diverged"
-    if any(not math.isfinite(v) for tag in ("train/loss", metric) for _, v in run["scalars"].get(tag, [])):
-        return "diverged"
-    max_steps = run["config"].get("trainer.max_steps")
-    done = run["manifest"] is not None and isinstance(max_steps, int) and run["manifest"].step >= max_steps > 0
-    return "finished" if done else "unfinished"
-
-
-def group(runs: list[dict[str, Any]], keys: list[str], metric: str) -> list[RunResult]:
+def group(runs: list[RunDir], keys: list[str], metric: str) -> list[RunResult]:
     """Each run as a result of the cell named by its values of `keys`, its seed the replicate."""
     out, seen = [], {}
     for run in runs:
         for key in keys:
-            if key not in run["config"]:
-                near = difflib.get_close_matches(key, list(run["config"]), n=3)
-                raise UserError(f"--group_by {key}: no such key in '{run['dir'] / 'config.yaml'}'"
+            if key not in run.flat_config:
+                near = difflib.get_close_matches(key, list(run.flat_config), n=3)
+                raise UserError(f"--group_by {key}: no such key in '{run.config_file}'"
                                 + (f"; did you mean {' or '.join(near)}?" if near else ""))
-        params = {k: run["config"][k] for k in keys}
+        params = {k: run.flat_config[k] for k in keys}
         cell = ",".join(f"{k.rsplit('.', 1)[-1]}={v}" for k, v in params.items())
-        seed = run["config"].get(SEED_KEY)
+        seed = run.flat_config.get(SEED_KEY)
         if (cell, seed) in seen:
-            raise UserError(f"runs '{seen[cell, seed]}' and '{run['dir']}' are both {cell} at {SEED_KEY}={seed}: "
+            raise UserError(f"runs '{seen[cell, seed]}' and '{run.path}' are both {cell} at {SEED_KEY}={seed}: "
                             "a cell needs one run per seed; group by the key that tells them apart")
-        seen[cell, seed] = run["dir"]
-        out.append(result(cell, params, seed, run["dir"], status(run, metric), metric, run))
+        seen[cell, seed] = run.path
+        status = run.status(alive, nonfinite=(TRAIN_LOSS, metric))  # the sweep's status, and a non-finite log
+        out.append(result(cell, params, seed, run.path, status, metric, run))
     return out
 
 
-def grouped(runs: list[dict[str, Any]], args: argparse.Namespace) -> str:
+def grouped(runs: list[RunDir], args: argparse.Namespace) -> str:
     """The sweep report's tables for the runs grouped by `--group_by`."""
     from training.sweep.report import check, tables
 
@@ -178,23 +160,25 @@ def grouped(runs: list[dict[str, Any]], args: argparse.Namespace) -> str:
     return "\n".join(lines) + "\n"
 
 
-def choose_metric(runs: list[dict[str, Any]], metric: str | None) -> tuple[str, str | None]:
+def choose_metric(runs: list[RunDir], metric: str | None) -> tuple[str, str | None]:
     """(the metric compared, a line saying so when it is not the default). An explicit `metric` must be logged by
-    some run; without one, the first of DEFAULT_METRICS that every run logs."""
+    some run; without one, the first of DEFAULT_METRICS that every run logs (diverged runs aside: a divergence is
+    an outcome, not a number, and may come before the first validation)."""
     if metric is not None:
-        if any(metric in r["scalars"] for r in runs):
+        if any(metric in r.scalars for r in runs):
             return metric, None
         problem = f"--metric {metric!r} is logged by none of the runs"
     else:
-        common = [tag for tag in DEFAULT_METRICS if all(tag in r["scalars"] for r in runs)]
+        judged = [r for r in runs if r.status(alive, nonfinite=(TRAIN_LOSS,)) != "diverged"] or runs
+        common = [tag for tag in DEFAULT_METRICS if all(tag in r.scalars for r in judged)]
         if common and common[0] == DEFAULT_METRICS[0]:
             return common[0], None
         if common:
-            missing = ", ".join(str(r["dir"]) for r in runs if DEFAULT_METRICS[0] not in r["scalars"])
+            missing = ", ".join(str(r.path) for r in judged if DEFAULT_METRICS[0] not in r.scalars)
             return common[0], f"metric: {common[0]} ({DEFAULT_METRICS[0]} is not logged by {missing}; --metric " \
                               "chooses another)"
         problem = f"none of {', '.join(DEFAULT_METRICS)} is logged by every run"
-    tags = sorted(plain_tags(t for r in runs for t in r["scalars"]), key=lambda t: not t.endswith("/loss"))
+    tags = sorted(plain_tags(t for r in runs for t in r.scalars), key=lambda t: not t.endswith("/loss"))
     raise UserError(f"{problem}; choose a scalar tag they log with --metric, e.g. {', '.join(tags[:12])}")
 
 
@@ -218,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
             raise UserError(f"--margin {args.margin}: must be > 0 (the smallest difference that matters)")
         if (args.baseline or args.margin is not None) and not args.group_by:
             raise UserError("--baseline and --margin compare cells: give --group_by KEY... too")
-        runs = [read_run(path) for path in args.runs]
+        runs = [RunDir(path).require_logged() for path in args.runs]
         args.metric, why = choose_metric(runs, args.metric)
         if args.group_by:
             text = grouped(runs, args)

@@ -36,9 +36,10 @@ from safetensors import SafetensorError
 
 from data.tokenizer import sha256_file
 from model import ModelConfig
-from training.checkpointing.layout import MANIFEST, MODEL_CONFIG_FILE, CheckpointError, config_hash, read_manifest
+from training.checkpointing.layout import MANIFEST, CheckpointError, Manifest, config_hash
 from training.checkpointing.load import NORMLAB_EXPORT_CONFIG, load_checkpoint
 from training.errors import UserError
+from training.rundir import model_config
 
 log = logging.getLogger(__name__)
 
@@ -123,10 +124,10 @@ def resolve(init_from: str) -> Source:
         raise UserError(f"{where}: {'not a directory' if path.exists() else 'no such directory'}; give {_KINDS}")
     try:
         if (path / MANIFEST).is_file():
-            manifest = read_manifest(path)
-            config = ModelConfig(**json.loads((path / MODEL_CONFIG_FILE).read_text()))
-            hashes = {"manifest": manifest["tokenizer_hash"]} if manifest.get("tokenizer_hash") else {}
-            return Source(path, "checkpoint", config, hashes, manifest.get("step"))
+            manifest = Manifest.read(path)
+            config = ModelConfig(**model_config(path))
+            hashes = {"manifest": manifest.tokenizer_hash} if manifest.tokenizer_hash else {}
+            return Source(path, "checkpoint", config, hashes, manifest.step)
         hashes = {n: sha256_file(path / n) for n in TOKENIZER_FILES if (path / n).is_file()}
         if (path / NORMLAB_EXPORT_CONFIG).is_file() or (path / "config.json").is_file():
             _safetensors_files(path)

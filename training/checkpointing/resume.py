@@ -11,13 +11,13 @@ each failure names the checkpoint and the fix.
 """
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 from typing import Any
 
 from lightning.pytorch import LightningModule, Trainer
 
+from training import rundir
 from training.checkpointing.layout import MODEL_CONFIG_FILE, complete_checkpoints, config_hash, file_hash
 from training.checkpointing.manifest import CheckpointError, Manifest, verify_files
 from training.checkpointing.safe import refuse_code
@@ -75,9 +75,8 @@ def check_settings(ckpt_dir: Path, model_config: dict[str, Any], tokenizer_path:
     are the run's. Returns the manifest."""
     manifest = Manifest.read(ckpt_dir)
     verify_files(ckpt_dir, manifest)
-    config_file = ckpt_dir / MODEL_CONFIG_FILE
-    if config_file.is_file():
-        saved = _as_today(json.loads(config_file.read_text()))
+    if (ckpt_dir / MODEL_CONFIG_FILE).is_file():
+        saved = _as_today(rundir.model_config(ckpt_dir))
         if config_hash(saved) != config_hash(model_config):
             diff = ", ".join(f"{k}: {saved.get(k)!r} → {model_config.get(k)!r}"
                              for k in sorted(set(saved) | set(model_config)) if saved.get(k) != model_config.get(k))

@@ -22,9 +22,10 @@ from collections.abc import Callable
 from typing import Any
 
 from training.errors import UserError
+from training.rundir import RunDir
 from training.sweep.launch import train
 from training.sweep.spec import Run, Spec
-from training.sweep.state import LOG_FILE, RUN_RECORD, read_json
+from training.sweep.state import LOG_FILE
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +106,7 @@ class LocalExecutor:
                 self.procs = {pid: p for pid, p in self.procs.items() if p.poll() is None}
                 self.results[run.rel] = status
             if status in ("failed", "diverged"):
-                record = read_json(self.spec.sweep_dir / run.rel / RUN_RECORD) or {}
+                record = RunDir(self.spec.sweep_dir / run.rel).record or {}
                 log.warning("%s %s: %s (log: %s)", run.rel, status, record.get("error"),
                             self.spec.sweep_dir / run.rel / LOG_FILE)
             else:

@@ -17,10 +17,11 @@ from typing import Any
 
 from training.checkpointing.layout import write_text_atomic
 from training.errors import UserError
+from training.rundir import RunDir
 from training.stats import ALPHA, Estimate
 from training.sweep import plots
 from training.sweep.analysis import Cell, Comparison, LrGroup, cells_of, compare_to_baseline, lr_groups
-from training.sweep.results import RunResult, plain_tags, read_run, result
+from training.sweep.results import RunResult, plain_tags, result
 
 STATE_FILE = "sweep.json"
 REPORT_DIR = "report"
@@ -187,7 +188,7 @@ def check(results: Sequence[RunResult], sweep: dict[str, Any], where: str = "") 
         raise UserError(f"{at}nothing to report yet — no run has finished ({statuses}); run the sweep first")
     metric = sweep["metric"]
     if not any(metric in r.curves for r in included) and not all(r.outcome == "diverged" for r in included):
-        logged = plain_tags(t for r in included if r.curves for t in read_run(r.run_dir)["scalars"])
+        logged = plain_tags(t for r in included if r.curves for t in RunDir(r.run_dir).scalars)
         raise UserError(f"{at}metric {metric!r} is logged by none of the {len(included)} runs that finished or "
                         f"diverged; choose a scalar tag they log, e.g. {', '.join(logged[:12])}")
     baseline = sweep.get("baseline")

@@ -32,10 +32,11 @@ from pathlib import Path
 from typing import Any
 
 from training.errors import UserError
+from training.rundir import RunDir
 from training.sweep.launch import train
 from training.sweep.runner import claimed, status_table
 from training.sweep.spec import Run, Spec, load_spec
-from training.sweep.state import progress, write_json, write_state
+from training.sweep.state import write_json, write_state
 
 log = logging.getLogger("training.sweep.slurm")  # also when run as __main__ (the array task)
 
@@ -157,8 +158,8 @@ def task_main(argv: list[str]) -> int:
     if task.requeue and status == "pending":
         job = os.environ["SLURM_JOB_ID"]
         # Logged first: a successful requeue ends this process at once (Slurm cancels the running job).
-        log.info("%s saved step %d on the warning; requeueing job %s", run.rel, progress(spec.sweep_dir / run.rel)[0],
-                 job)
+        log.info("%s saved step %d on the warning; requeueing job %s", run.rel,
+                 RunDir(spec.sweep_dir / run.rel).progress()[0], job)
         out = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True)
         if out.returncode == 0:
             return 0

@@ -33,6 +33,7 @@ import numpy as np
 
 from training.errors import UserError
 from training.errors import report as report_error
+from training.eval import metrics
 from training.rundir import RunDir
 from training.sweep.results import TRAIN_LOSS, RunResult, plain_tags, result
 from training.sweep.state import alive
@@ -47,7 +48,8 @@ DEFAULT_METRICS = ("val/loss", "train/loss")  # without --metric: the first of t
 def summary(run: RunDir, last: int, metric: str = "val/loss") -> dict[str, Any]:
     s = run.scalars
     val = [v for _, v in s.get(metric, [])]
-    bpb = run.last("val/bpb") if "val/bpb" in s else run.last("eval/val/bpb")
+    bpb = run.last(metrics.tag("val", "bits_per_byte"))  # the loop's, else `normlab evaluate`'s of the same set
+    bpb = bpb if bpb is not None else run.last(metrics.tag("eval/val", "bits_per_byte"))
     steps = max((points[-1][0] for tag, points in s.items() if tag.startswith("train/")), default=0)
     manifest = run.manifest
     tokens = manifest.tokens_seen if manifest and manifest.step == steps else None

@@ -24,12 +24,12 @@ import torch
 from training.checkpointing.layout import MANIFEST, Manifest, checkpoints_dir, write_text_atomic
 from training.checkpointing.load import CheckpointError, load_checkpoint
 from training.eval.heldout import log_to_tensorboard, parse_sets, plan_sets, score, split_line
+from training.eval.metrics import METRICS
 from training.rundir import RunDir, model_config, step_config
 
 log = logging.getLogger(__name__)
 
-CSV_FIELDS = ("step", "tokens_seen", "loss", "perplexity", "bits_per_byte", "tokens", "bytes", "split", "data",
-              "checkpoint")
+CSV_FIELDS = ("step", "tokens_seen", *METRICS, "tokens", "bytes", "split", "data", "checkpoint")
 
 
 def scored_with(path: Path, settings: dict[str, Any]) -> bool:

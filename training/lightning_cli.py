@@ -40,12 +40,12 @@ from training.callbacks.summary import log_closing_lines, with_norm_summary
 from training.checkpointing import branch, init_from, layout, resume
 from training.checkpointing.manifest import Manifest
 from training.checkpointing.plan import RunPlan, plan
-from training.checkpointing.safe import SafeCheckpointIO, no_code_from_checkpoints
+from training.checkpointing.safe import SafeCheckpointIO, safe_torch_load
 from training.errors import UserError, is_user_error
 from training.lit_module import lit_lm
 from training.loggers import LOGGERS, RecordLoggerRuns, run_loggers
 from training.optim import OptimConfig
-from training.strategy import default_precision, is_deepspeed, resolve_strategy  # registers zeroN
+from training.strategy import DeepSpeed, default_precision, is_deepspeed, resolve_strategy  # registers zeroN
 from training.subcommands import LIGHTNING_SUBCOMMANDS
 
 # The default job: the defaults of `normlab fit | validate | test` are read from this file (the trainer settings,
@@ -82,12 +82,14 @@ class NormlabCLI(LightningCLI):
         compat.require("lightning.pytorch.cli:LightningCLI._parser")
         return self._parser(self.subcommand).get_defaults()
 
-    def _parse_ckpt_path(self) -> None:
-        # LightningCLI reads a `--ckpt_path` file's hyper-parameters while parsing (weights-only, but a refused
-        # file would be a traceback): the guard turns a refusal into normlab's one-line error.
-        compat.require("lightning.pytorch.cli:LightningCLI._parse_ckpt_path")
-        with no_code_from_checkpoints():
-            super()._parse_ckpt_path()
+    def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
+        super().parse_arguments(parser, args)
+        # LightningCLI next reads a `--ckpt_path` file's hyper-parameters (weights-only, but a refused file would be
+        # a traceback): refuse such a file first, in one line (its pickle is read, its tensors are not).
+        subcommand = self.config.get("subcommand")
+        ckpt_path = self.config[subcommand].get("ckpt_path") if subcommand else None
+        if ckpt_path and Path(ckpt_path).is_file():
+            safe_torch_load(ckpt_path, mmap=True)
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.add_argument("--name", type=str, default="default",
@@ -173,6 +175,10 @@ class NormlabCLI(LightningCLI):
             resume.check_format(self.plan.load_path, is_deepspeed(self.trainer.strategy))
             if type(self.trainer.strategy.checkpoint_io) is TorchCheckpointIO:  # (a user's own IO plugin is kept)
                 self.trainer.strategy.checkpoint_io = SafeCheckpointIO()  # reads model.ckpt weights-only
+        if is_deepspeed(self.trainer.strategy) and not isinstance(self.trainer.strategy, DeepSpeed):
+            raise UserError(f"--trainer.strategy {type(self.trainer.strategy).__name__}: normlab's checkpoints need "
+                            "its own DeepSpeed strategy: use zero1, zero2 or zero3, or training.strategy.DeepSpeed "
+                            "with --trainer.strategy.config FILE.json")
         if is_deepspeed(self.trainer.strategy):
             # DeepSpeed's sample counters read the micro-batch size (it does not change the math). Lightning would
             # take it from the loader's batch_sampler, which normlab's loaders (whole batches) do not have; the
@@ -194,6 +200,8 @@ class NormlabCLI(LightningCLI):
 
     def before_fit(self) -> None:
         self._check_inputs()
+        if self.plan.load_path and isinstance(self.trainer.strategy, DeepSpeed):  # before the engine is built
+            self.trainer.strategy.resume_from(self.plan.load_path)  # (another world size: the universal format)
         if self.plan.parent is not None:
             self._check_branch(self.plan.parent)
         source = None  # --init_from: the source a fresh run starts from, or the one a resumed run recorded

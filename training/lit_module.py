@@ -191,7 +191,11 @@ class LitLM(LightningModule):
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         # before the optimizer state loads (by group position): a fit's groups must be the checkpoint's
-        if self._trainer is None or self.trainer.state.fn != "fit":
+        try:
+            fitting = self.trainer.state.fn == "fit"
+        except RuntimeError:  # not attached to a Trainer (`LitLM.load_from_checkpoint`)
+            return
+        if not fitting:
             return
         for state in checkpoint.get("optimizer_states") or []:
             check_group_names([g.get("name") for g in state["param_groups"]], param_groups(self.model, self.optim))

@@ -268,6 +268,10 @@ def _outside_zero_init() -> Iterator[None]:
     except ImportError:  # no DeepSpeed: nothing to pause
         yield
         return
+    from training.compat import require
+
+    require("deepspeed.runtime.zero.partition_parameters:shutdown_init_context")
+    require("deepspeed.runtime.zero.partition_parameters:restore_init_context")
     shutdown_init_context()
     try:
         yield

@@ -11,7 +11,7 @@ boundaries, so configure validation with an integer ``val_check_interval`` and `
 ``path`` may also be a weighted mixture of prepared directories, ``{dir: weight, ...}`` (all prepared with one
 tokenizer), sampled by ``data.mixture``; and ``val_sets`` names further held-out directories. Validation then
 has one loader per set (``val_sets_order``): each source of a mixture and each named set is logged as
-``val/<name>/loss`` and ``val/<name>/bpb``; ``val/loss`` stays the loss of the data's own validation split (for
+``val/<name>/loss|ppl|bpb``; ``val/loss`` stays the loss of the data's own validation split (for
 a mixture: the weighted mean over its sources' validation splits).
 
 ``document_mask``: every batch (train and validation) is a dict ``{"tokens": [B, seq_len + 1], "position_ids":
@@ -61,7 +61,7 @@ class TokenDataModule(L.LightningDataModule):
         val_batches: size of the fixed validation set, in batches, shared out across ranks.
         tokenizer: optional tokenizer file the data must have been prepared with (checked by sha256).
         val_sets: named held-out directories ``{name: directory}`` (prepared with the same tokenizer), whose
-            validation splits are evaluated beside the main one as ``val/<name>/loss`` and ``val/<name>/bpb``.
+            validation splits are evaluated beside the main one as ``val/<name>/loss|ppl|bpb``.
         document_mask: batches become ``{"tokens", "position_ids"}`` dicts (see the module docstring), so the
             model attends within each document and restarts positions at each document's start.
     """

@@ -23,6 +23,19 @@ def runs(workdir: Path) -> Path:
     return runs
 
 
+@pytest.fixture(scope="module")
+def unvalidated(runs: Path, workdir: Path) -> Path:
+    """A run that never validated: it logs train/loss but no val/loss."""
+    run_normlab(["fit", "-c", str(HELPERS / "tiny.yaml"), "--data.path", str(workdir / "tiny"), "--runs_dir",
+                 str(runs), "--name", "noval", "--trainer.limit_val_batches", "0"], cwd=workdir)
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(runs / "noval"))
+    acc.Reload()
+    assert "train/loss" in acc.Tags()["scalars"] and "val/loss" not in acc.Tags()["scalars"]
+    return runs / "noval"
+
+
 def _metrics(out: str) -> dict[str, list[str]]:
     metrics = out.split("final metrics")[1]
     return {line.split()[0]: line.split() for line in metrics.splitlines()[3:] if line.strip()}
@@ -81,3 +94,28 @@ def test_bad_input_is_one_line(runs, tmp_path, capsys, args, message):
     err = capsys.readouterr().err.strip()
     assert err.startswith("normlab compare: error: ") and message in err and len(err.splitlines()) == 1
     assert not (tmp_path / "p.png").exists()
+
+
+def test_without_val_loss_it_compares_train_loss_and_says_so(runs, unvalidated, tmp_path, capsys):
+    assert main([str(runs / "rms"), str(unvalidated), "--plot", str(tmp_path / "p.png")]) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[0] == (f"metric: train/loss (val/loss is not logged by {unvalidated}; --metric chooses "
+                                   "another)")
+    table = _metrics(out)
+    for run in (runs / "rms", unvalidated):
+        assert table[run.name][1] == f"{scalars(run, 'train/loss')[8]:.4f}"
+    assert (tmp_path / "p.png").is_file()
+
+    # runs that all validate keep val/loss, without the line
+    assert main([str(runs / "rms"), str(runs / "ln"), "--plot", str(tmp_path / "q.png")]) == 0
+    assert capsys.readouterr().out.startswith("config differences")
+
+
+def test_an_explicit_metric_no_run_logs_stays_an_error(unvalidated, tmp_path, capsys):
+    from training.cli import main as normlab
+
+    assert normlab(["compare", str(unvalidated), "--metric", "val/loss", "--plot", str(tmp_path / "p.png")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("normlab compare: error: --metric 'val/loss' is logged by none of the runs; choose a "
+                          "scalar tag they log with --metric, e.g. ") and "train/loss" in err
+    assert len(err.splitlines()) == 1 and not (tmp_path / "p.png").exists()

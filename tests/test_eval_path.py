@@ -41,3 +41,29 @@ def test_evaluate_reproduces_val_loss_of_a_document_masked_run(docmask_run: Path
     result = json.loads(out.read_text())
     assert result["tokens"] == 2 * 4 * 32  # val_batches · batch_size · seq_len: the run's own windows
     assert result["loss"] == pytest.approx(scalars(docmask_run, "val/loss")[4], rel=1e-5)
+
+
+@pytest.mark.slow
+def test_validation_logs_bits_per_byte_of_its_own_set(single_run: Path) -> None:
+    """`val/bpb` of the data's own validation set (the tiny reference run, validated at steps 4 and 8) is
+    val/loss in nats per token × the target tokens / their UTF-8 bytes / ln 2, with the targets taken from the
+    batches validation scored and each target's bytes read from sentencepiece's own pieces here."""
+    import sentencepiece as spm
+    import yaml
+
+    from data.datamodule import TokenDataModule
+
+    dm = TokenDataModule(**yaml.safe_load((single_run / "config.yaml").read_text())["data"])
+    sp = spm.SentencePieceProcessor(model_file=str(dm.tokenizer_path))
+    def nbytes(i: int) -> int:
+        if sp.is_byte(i):
+            return 1  # <0xAB>: one byte of a character the vocabulary lacks
+        return 0 if sp.is_control(i) or sp.is_unknown(i) else len(sp.id_to_piece(i).replace("\u2581", " ").encode())
+
+    targets = [int(t) for batch in dm.val_dataloader() for t in batch[:, 1:].flatten()]
+    n_bytes = sum(nbytes(t) for t in targets)
+    assert len(targets) == 2 * 8 * 16 and n_bytes > len(targets)  # val_batches × batch_size × seq_len
+    loss, bpb = scalars(single_run, "val/loss"), scalars(single_run, "val/bpb")
+    assert sorted(bpb) == [4, 8]
+    for step in (4, 8):
+        assert bpb[step] == pytest.approx(loss[step] * len(targets) / n_bytes / math.log(2), rel=1e-6)

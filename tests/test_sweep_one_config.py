@@ -17,10 +17,11 @@ from tests.helpers.multiproc import REPO
 from training.cli import main
 from training.cli_checks import CONFIG_HASHES_ENV
 from training.errors import DEBUG_ENV, UserError
+from training.rundir import RUN_RECORD, RunDir
 from training.sweep.results import check_one_config_per_cell
 from training.sweep.runner import Snapshot
 from training.sweep.spec import load_spec
-from training.sweep.state import RUN_RECORD, read_json, write_json
+from training.sweep.state import write_json
 
 TINY = REPO / "tests" / "helpers" / "tiny.yaml"
 
@@ -143,7 +144,7 @@ def test_a_local_sweep_edited_while_it_runs_trains_one_config(workdir, tmp_path,
     assert main(["sweep", str(spec), "--report"]) == 0
     capsys.readouterr()
 
-    edited = read_json(sweep_dir / "base" / "s1" / RUN_RECORD)
+    edited = RunDir(sweep_dir / "base" / "s1").record
     edited["config_hashes"] = {str(cfg): hashlib.sha256(b"optim:\n  lr: 0.02\n").hexdigest()}
     (sweep_dir / "base" / "s1" / RUN_RECORD).write_text(json.dumps(edited))
     report = (sweep_dir / "report" / "report.md").read_bytes()

@@ -17,7 +17,7 @@ import torch
 import yaml
 
 from tests.helpers.slurm import slurm_cluster  # noqa: F401  (the session fixture)
-from training.sweep.state import progress, read_json
+from training.rundir import RunDir
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 24
@@ -61,8 +61,8 @@ def test_a_job_array_sweep_survives_a_time_limit_warning_by_requeue(slurm_cluste
     job = out.stdout.split("submitted job array ")[1].split()[0]
     sweep_dir = workdir / "runs" / "slurm"
     warned, straight = sweep_dir / "enable_model_summary=false" / "s0", sweep_dir / "enable_model_summary=true" / "s0"
-    wait(lambda: progress(warned)[0] > 0, 600, "the first checkpoint of the run to warn")
-    assert progress(warned)[0] < STEPS
+    wait(lambda: RunDir(warned).progress()[0] > 0, 600, "the first checkpoint of the run to warn")
+    assert RunDir(warned).progress()[0] < STEPS
     signal = slurm_cluster.run("scancel", "--signal=USR1", "--batch", f"{job}_0")
     assert signal.returncode == 0, signal.stderr
 
@@ -72,10 +72,10 @@ def test_a_job_array_sweep_survives_a_time_limit_warning_by_requeue(slurm_cluste
 
     wait(array_done, 900, f"job array {job} to end")
     log = (sweep_dir / "slurm" / f"{job}_0.out").read_text()
-    record = read_json(warned / "sweep-run.json")
+    record = RunDir(warned).record
     assert record["attempts"] == 2 and record["status"] == "finished", (record, log)
     assert "(restart 1)" in log and "requeueing job" in (warned / "fit.log").read_text(), log
-    assert read_json(straight / "sweep-run.json")["attempts"] == 1
+    assert RunDir(straight).record["attempts"] == 1
     state = json.loads((sweep_dir / "sweep.json").read_text())
     assert [(r["status"], r["step"]) for r in state["runs"]] == [("finished", STEPS)] * 2
     got, want = final_tensors(warned), final_tensors(straight)

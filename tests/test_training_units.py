@@ -16,9 +16,10 @@ import torch
 from model import ModelConfig, Transformer
 from training.callbacks.rng import capture_rng, restore_rng
 from training.checkpointing import layout, resume
+from training.errors import UserError
 from training.lit_module import LitLM
 from training.optim import OptimConfig, build_optimizer, lr_factor, param_groups
-from training.strategy import ZERO_NAMES, adopt_deepspeed_launcher_env, load_deepspeed_config
+from training.strategy import ZERO_NAMES, DeepSpeed, adopt_deepspeed_launcher_env, load_deepspeed_config
 
 
 def tiny(**kw) -> ModelConfig:
@@ -197,6 +198,14 @@ def test_deepspeed_config_errors(tmp_path):
     path = tmp_path / "mine.json"
     path.write_text('{"zero_optimization": {"stage": 2}}')
     assert load_deepspeed_config(str(path))["zero_optimization"]["stage"] == 2
+
+
+@pytest.mark.parametrize("key, value", [("checkpoint", {"writer": {"type": "fast"}}), ("datastates_ckpt", {})])
+def test_a_config_choosing_another_checkpoint_engine_is_refused(key, value):
+    """normlab's saves hold each file write of DeepSpeed's default checkpoint engine (training/strategy.py)."""
+    with pytest.raises(UserError, match=f"DeepSpeed config: {key}.* selects another checkpoint engine"):
+        DeepSpeed(config={"zero_optimization": {"stage": 2}, key: value})
+    DeepSpeed(config={"zero_optimization": {"stage": 2}, "checkpoint": {"load_universal": False}})
 
 
 def test_deepspeed_launcher_node_rank():

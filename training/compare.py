@@ -2,8 +2,9 @@
 
 Prints the settings in which the runs' resolved configs differ, then one row of final metrics per run, read from
 its TensorBoard event files and newest checkpoint manifest:
-- the metric (`--metric`, any scalar tag, default `val/loss`): its last value, ± the standard deviation of its
-  last `--last` values (how settled it is);
+- the metric (`--metric`, any scalar tag; by default `val/loss`, else `train/loss` when some run never validated,
+  which the first line of the output says): its last value, ± the standard deviation of its last `--last` values
+  (how settled it is);
 - `bpb`: the last bits per byte (`val/bpb`, else `eval/val/bpb` from `normlab evaluate`), `-` when never logged;
 - `tokens`: tokens trained on (the manifest's `tokens_seen`, else steps × tokens per step from the config);
 - `tok/s`: mean `throughput/tokens_per_sec` over the last `--last` points;
@@ -23,7 +24,6 @@ from __future__ import annotations
 import argparse
 import difflib
 import logging
-import math
 import re
 import sys
 from pathlib import Path
@@ -33,46 +33,46 @@ import numpy as np
 
 from training.errors import UserError
 from training.errors import report as report_error
+from training.eval import metrics
 from training.plotting import pyplot, save_figure
-from training.sweep.results import RunResult, plain_tags, read_run, result, tokens_per_step
-from training.sweep.state import RUN_RECORD, read_json  # what `normlab sweep` records of a run's last attempt
+from training.rundir import RunDir
+from training.sweep.results import TRAIN_LOSS, RunResult, plain_tags, result
+from training.sweep.state import alive
 
 log = logging.getLogger(__name__)
 
 IGNORED_KEYS = ("name", "trainer.default_root_dir", "ckpt_path")  # differ between any two runs, by design
 SEED_KEY = "seed_everything"  # the replicate key of `--group_by`
+DEFAULT_METRICS = ("val/loss", "train/loss")  # without --metric: the first of these that every run logs
 
 
-def _last(scalars: dict[str, list], tag: str) -> float | None:
-    return scalars[tag][-1][1] if scalars.get(tag) else None
-
-
-def summary(run: dict[str, Any], last: int, metric: str = "val/loss") -> dict[str, Any]:
-    s = run["scalars"]
+def summary(run: RunDir, last: int, metric: str = "val/loss") -> dict[str, Any]:
+    s = run.scalars
     val = [v for _, v in s.get(metric, [])]
-    bpb = _last(s, "val/bpb") if "val/bpb" in s else _last(s, "eval/val/bpb")
+    bpb = run.last(metrics.tag("val", "bits_per_byte"))  # the loop's, else `normlab evaluate`'s of the same set
+    bpb = bpb if bpb is not None else run.last(metrics.tag("eval/val", "bits_per_byte"))
     steps = max((points[-1][0] for tag, points in s.items() if tag.startswith("train/")), default=0)
-    manifest = run["manifest"]
+    manifest = run.manifest
     tokens = manifest.tokens_seen if manifest and manifest.step == steps else None
     layers = sorted((int(m.group(1)), tag) for tag in s if (m := re.fullmatch(r"resid/rms/L(\d+)", tag)))
     growth = None
     if layers:
-        top = _last(s, "resid/final_in") or _last(s, layers[-1][1])
-        growth = top / _last(s, layers[0][1]) if _last(s, layers[0][1]) else None
-    logits = [_last(s, tag) for tag in s if re.fullmatch(r"attn/max_logit/L\d+", tag)]
+        top = run.last("resid/final_in") or run.last(layers[-1][1])
+        growth = top / run.last(layers[0][1]) if run.last(layers[0][1]) else None
+    logits = [run.last(tag) for tag in s if re.fullmatch(r"attn/max_logit/L\d+", tag)]
     tps = [v for _, v in s.get("throughput/tokens_per_sec", [])[-last:]]
     return {
         "metric": val[-1] if val else None, "spread": float(np.std(val[-last:])) if val else None,
-        "bpb": bpb, "steps": steps, "tokens": tokens if tokens is not None else steps * tokens_per_step(run),
+        "bpb": bpb, "steps": steps, "tokens": tokens if tokens is not None else steps * run.tokens_per_step(),
         "tokens_per_sec": float(np.mean(tps)) if tps else None,
         "max_attn_logit": max(logits) if logits else None, "resid_growth": growth,
     }
 
 
-def config_differences(runs: list[dict[str, Any]]) -> dict[str, list[Any]]:
-    keys = sorted(set().union(*(r["config"] for r in runs)) - set(IGNORED_KEYS))
-    return {k: [r["config"].get(k) for r in runs] for k in keys
-            if len({repr(r["config"].get(k)) for r in runs}) > 1}
+def config_differences(runs: list[RunDir]) -> dict[str, list[Any]]:
+    keys = sorted(set().union(*(r.flat_config for r in runs)) - set(IGNORED_KEYS))
+    return {k: [r.flat_config.get(k) for r in runs] for k in keys
+            if len({repr(r.flat_config.get(k)) for r in runs}) > 1}
 
 
 def _table(header: list[str], rows: list[list[str]]) -> str:
@@ -85,8 +85,8 @@ def _fmt(value: Any, spec: str = ".4f") -> str:
     return "-" if value is None else format(value, spec)
 
 
-def report(runs: list[dict[str, Any]], summaries: list[dict[str, Any]], last: int, metric: str = "val/loss") -> str:
-    names = [r["dir"].name for r in runs]
+def report(runs: list[RunDir], summaries: list[dict[str, Any]], last: int, metric: str = "val/loss") -> str:
+    names = [r.name for r in runs]
     diffs = config_differences(runs)
     parts = ["config differences:" if diffs else "config differences: none (apart from the run names)"]
     if diffs:
@@ -99,15 +99,15 @@ def report(runs: list[dict[str, Any]], summaries: list[dict[str, Any]], last: in
     return "\n".join(parts) + "\n"
 
 
-def plot(runs: list[dict[str, Any]], out: Path, metric: str = "val/loss") -> None:
+def plot(runs: list[RunDir], out: Path, metric: str = "val/loss") -> None:
     fig, ax = pyplot().subplots(figsize=(7, 4.5))
     for run in runs:
-        per_step = tokens_per_step(run)
+        per_step = run.tokens_per_step()
         for tag, style in (("train/loss", "-"), (metric, "--")):
-            points = run["scalars"].get(tag, [])
+            points = run.scalars.get(tag, [])
             if points:
                 steps, values = zip(*points, strict=False)
-                ax.plot(np.array(steps) * per_step, values, style, label=f"{run['dir'].name} {tag}")
+                ax.plot(np.array(steps) * per_step, values, style, label=f"{run.name} {tag}")
     ax.set_xlabel("tokens")
     ax.set_ylabel("loss" if metric.endswith("loss") else f"loss, {metric}")
     ax.legend(fontsize=8)
@@ -116,44 +116,28 @@ def plot(runs: list[dict[str, Any]], out: Path, metric: str = "val/loss") -> Non
     save_figure(fig, out, dpi=120)
 
 
-def status(run: dict[str, Any], metric: str) -> str:
-    """finished (a checkpoint at trainer.max_steps), diverged (recorded so by `normlab sweep`, or a non-finite
-    train/loss or metric logged), else unfinished."""
-    path = run["dir"] / RUN_RECORD
-    record = read_json(path) if path.is_file() else {}
-    if record is None:
-        raise UserError(f"'{path}' is not a readable sweep record (a JSON object): restore it, or delete it (it only "
-                        "records how `normlab sweep` last ran this run)")
-    if record.get("status") == "diverged":
-        return "diverged"
-    if any(not math.isfinite(v) for tag in ("train/loss", metric) for _, v in run["scalars"].get(tag, [])):
-        return "diverged"
-    max_steps = run["config"].get("trainer.max_steps")
-    done = run["manifest"] is not None and isinstance(max_steps, int) and run["manifest"].step >= max_steps > 0
-    return "finished" if done else "unfinished"
-
-
-def group(runs: list[dict[str, Any]], keys: list[str], metric: str) -> list[RunResult]:
+def group(runs: list[RunDir], keys: list[str], metric: str) -> list[RunResult]:
     """Each run as a result of the cell named by its values of `keys`, its seed the replicate."""
     out, seen = [], {}
     for run in runs:
         for key in keys:
-            if key not in run["config"]:
-                near = difflib.get_close_matches(key, list(run["config"]), n=3)
-                raise UserError(f"--group_by {key}: no such key in '{run['dir'] / 'config.yaml'}'"
+            if key not in run.flat_config:
+                near = difflib.get_close_matches(key, list(run.flat_config), n=3)
+                raise UserError(f"--group_by {key}: no such key in '{run.config_file}'"
                                 + (f"; did you mean {' or '.join(near)}?" if near else ""))
-        params = {k: run["config"][k] for k in keys}
+        params = {k: run.flat_config[k] for k in keys}
         cell = ",".join(f"{k.rsplit('.', 1)[-1]}={v}" for k, v in params.items())
-        seed = run["config"].get(SEED_KEY)
+        seed = run.flat_config.get(SEED_KEY)
         if (cell, seed) in seen:
-            raise UserError(f"runs '{seen[cell, seed]}' and '{run['dir']}' are both {cell} at {SEED_KEY}={seed}: "
+            raise UserError(f"runs '{seen[cell, seed]}' and '{run.path}' are both {cell} at {SEED_KEY}={seed}: "
                             "a cell needs one run per seed; group by the key that tells them apart")
-        seen[cell, seed] = run["dir"]
-        out.append(result(cell, params, seed, run["dir"], status(run, metric), metric, run))
+        seen[cell, seed] = run.path
+        status = run.status(alive, nonfinite=(TRAIN_LOSS, metric))  # the sweep's status, and a non-finite log
+        out.append(result(cell, params, seed, run.path, status, metric, run))
     return out
 
 
-def grouped(runs: list[dict[str, Any]], args: argparse.Namespace) -> str:
+def grouped(runs: list[RunDir], args: argparse.Namespace) -> str:
     """The sweep report's tables for the runs grouped by `--group_by`."""
     from training.sweep.report import check, tables
 
@@ -170,10 +154,33 @@ def grouped(runs: list[dict[str, Any]], args: argparse.Namespace) -> str:
     return "\n".join(lines) + "\n"
 
 
+def choose_metric(runs: list[RunDir], metric: str | None) -> tuple[str, str | None]:
+    """(the metric compared, a line saying so when it is not the default). An explicit `metric` must be logged by
+    some run; without one, the first of DEFAULT_METRICS that every run logs (diverged runs aside: a divergence is
+    an outcome, not a number, and may come before the first validation)."""
+    if metric is not None:
+        if any(metric in r.scalars for r in runs):
+            return metric, None
+        problem = f"--metric {metric!r} is logged by none of the runs"
+    else:
+        judged = [r for r in runs if r.status(alive, nonfinite=(TRAIN_LOSS,)) != "diverged"] or runs
+        common = [tag for tag in DEFAULT_METRICS if all(tag in r.scalars for r in judged)]
+        if common and common[0] == DEFAULT_METRICS[0]:
+            return common[0], None
+        if common:
+            missing = ", ".join(str(r.path) for r in judged if DEFAULT_METRICS[0] not in r.scalars)
+            return common[0], f"metric: {common[0]} ({DEFAULT_METRICS[0]} is not logged by {missing}; --metric " \
+                              "chooses another)"
+        problem = f"none of {', '.join(DEFAULT_METRICS)} is logged by every run"
+    tags = sorted(plain_tags(t for r in runs for t in r.scalars), key=lambda t: not t.endswith("/loss"))
+    raise UserError(f"{problem}; choose a scalar tag they log with --metric, e.g. {', '.join(tags[:12])}")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="normlab compare", description=__doc__.split("\n\n")[0])
     ap.add_argument("runs", nargs="+", type=Path, help="run directories (runs/NAME)")
-    ap.add_argument("--metric", default="val/loss", help="the scalar tag compared (any TensorBoard tag, e.g. eval/...)")
+    ap.add_argument("--metric", help="the scalar tag compared (any TensorBoard tag, e.g. eval/...; default: val/loss, "
+                    "else train/loss when some run does not log val/loss)")
     ap.add_argument("--last", type=int, default=3, help="metric / throughput points the spread and mean use")
     ap.add_argument("--plot", type=Path, default=Path("compare.png"), help="where the loss-vs-tokens plot goes")
     ap.add_argument("--group_by", nargs="+", metavar="KEY", help="config keys that make a cell (seeds replicate)")
@@ -189,7 +196,8 @@ def main(argv: list[str] | None = None) -> int:
             raise UserError(f"--margin {args.margin}: must be > 0 (the smallest difference that matters)")
         if (args.baseline or args.margin is not None) and not args.group_by:
             raise UserError("--baseline and --margin compare cells: give --group_by KEY... too")
-        runs = [read_run(path) for path in args.runs]
+        runs = [RunDir(path).require_logged() for path in args.runs]
+        args.metric, why = choose_metric(runs, args.metric)
         if args.group_by:
             text = grouped(runs, args)
             from training.sweep import plots
@@ -197,14 +205,10 @@ def main(argv: list[str] | None = None) -> int:
 
             plots.curves(cells_of(group(runs, args.group_by, args.metric)), plots.curve_tags(args.metric), args.plot)
         else:
-            if not any(args.metric in r["scalars"] for r in runs):
-                tags = plain_tags(t for r in runs for t in r["scalars"])
-                raise UserError(f"--metric {args.metric!r} is logged by none of the runs; choose a scalar tag "
-                                f"they log, e.g. {', '.join(tags[:12])}")
             text = report(runs, [summary(r, args.last, args.metric) for r in runs], args.last, args.metric)
             plot(runs, args.plot, args.metric)
     except UserError as err:
         return report_error("compare", err)
-    sys.stdout.write(text)
+    sys.stdout.write(f"{why}\n\n{text}" if why else text)
     print(f"\nloss against tokens: {args.plot}")
     return 0

@@ -49,14 +49,14 @@ from training.checkpointing import branch, init_from, layout, resume
 from training.checkpointing.layout import complete_checkpoints, step_of
 from training.checkpointing.manifest import Manifest
 from training.checkpointing.plan import RunPlan, plan
-from training.checkpointing.safe import SafeCheckpointIO, no_code_from_checkpoints, refuse_code
+from training.checkpointing.safe import SafeCheckpointIO, refuse_code, safe_torch_load
 from training.checkpointing.save import RunRecord
 from training.errors import UserError, is_user_error
 from training.lit_module import lit_lm
 from training.loggers import LOGGERS, RecordLoggerRuns, run_loggers, start_wandb
 from training.optim import OptimConfig, renamed_option
 from training.run_lock import RunLock, acquire, is_first_rank
-from training.strategy import default_precision, is_deepspeed, resolve_strategy  # registers zeroN
+from training.strategy import DeepSpeed, default_precision, is_deepspeed, resolve_strategy  # registers zeroN
 from training.subcommands import LIGHTNING_SUBCOMMANDS
 
 log = logging.getLogger(__name__)
@@ -107,6 +107,12 @@ class NormlabCLI(LightningCLI):
             args=args,
         )
 
+    def _subcommand_defaults(self) -> Any:
+        """The running subcommand's defaults (configs/default.yaml and the classes' own): --init_from takes a model
+        field the user left at its default from the source instead."""
+        compat.require("lightning.pytorch.cli:LightningCLI._parser")
+        return self._parser(self.subcommand).get_defaults()
+
     def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
         try:
             super().parse_arguments(parser, args)
@@ -115,19 +121,12 @@ class NormlabCLI(LightningCLI):
             if hint is None:
                 raise
             raise UserError(hint) from err
-
-    def _subcommand_defaults(self) -> Any:
-        """The running subcommand's defaults (configs/default.yaml and the classes' own): --init_from takes a model
-        field the user left at its default from the source instead."""
-        compat.require("lightning.pytorch.cli:LightningCLI._parser")
-        return self._parser(self.subcommand).get_defaults()
-
-    def _parse_ckpt_path(self) -> None:
-        # LightningCLI reads a `--ckpt_path` file's hyper-parameters while parsing (weights-only, but a refused
-        # file would be a traceback): the guard turns a refusal into normlab's one-line error.
-        compat.require("lightning.pytorch.cli:LightningCLI._parse_ckpt_path")
-        with no_code_from_checkpoints():
-            super()._parse_ckpt_path()
+        # LightningCLI next reads a `--ckpt_path` file's hyper-parameters (weights-only, but a refused file would be
+        # a traceback): refuse such a file first, in one line (its pickle is read, its tensors are not).
+        subcommand = self.config.get("subcommand")
+        ckpt_path = self.config[subcommand].get("ckpt_path") if subcommand else None
+        if ckpt_path and Path(ckpt_path).is_file():
+            safe_torch_load(ckpt_path, mmap=True)
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.add_argument("--name", type=str, default="default",
@@ -257,6 +256,10 @@ class NormlabCLI(LightningCLI):
         if type(self.trainer.strategy.checkpoint_io) is TorchCheckpointIO:  # (a user's own IO plugin is kept)
             # model.ckpt read weights-only, and written beside its destination (not staged in $TMPDIR)
             self.trainer.strategy.checkpoint_io = SafeCheckpointIO()
+        if is_deepspeed(self.trainer.strategy) and not isinstance(self.trainer.strategy, DeepSpeed):
+            raise UserError(f"--trainer.strategy {type(self.trainer.strategy).__name__}: normlab's checkpoints need "
+                            "its own DeepSpeed strategy: use zero1, zero2 or zero3, or training.strategy.DeepSpeed "
+                            "with --trainer.strategy.config FILE.json")
         if is_deepspeed(self.trainer.strategy):
             # DeepSpeed's sample counters read the micro-batch size (it does not change the math). Lightning would
             # take it from the loader's batch_sampler, which normlab's loaders (whole batches) do not have; the
@@ -290,6 +293,8 @@ class NormlabCLI(LightningCLI):
 
     def before_fit(self) -> None:
         self._check_inputs()
+        if self.plan.load_path and isinstance(self.trainer.strategy, DeepSpeed):  # before the engine is built
+            self.trainer.strategy.resume_from(self.plan.load_path)  # (another world size: the universal format)
         if self.plan.parent is not None:
             self._check_branch(self.plan.parent)
         for callback in self.trainer.callbacks:

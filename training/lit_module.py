@@ -27,7 +27,7 @@ from model import ModelConfig, Transformer
 from model.optimize import compile_blocks, enable_activation_checkpointing
 from training.checkpointing.init_from import InitFrom
 from training.errors import UserError
-from training.eval.metrics import LossTotals, batch_loss, perplexity, split_batch
+from training.eval.metrics import LossTotals, batch_loss, mixture, split_batch, tags
 from training.loggers import log_scalars
 from training.optim import OptimConfig, build_optimizer, check_group_names, param_groups
 from training.strategy import is_deepspeed
@@ -74,6 +74,9 @@ class LitLM(LightningModule):
         self.hparams["optim"] = dataclasses.asdict(self.optim)
         self.model: Transformer | None = None
         self._micro_losses: list[Tensor] = []  # this update's micro-batch losses so far
+        self._val_sets: list[Any] = []  # this validation's sets (the datamodule's `val_sets_order`)
+        self._eval_totals: list[LossTotals] = []  # one accumulator per set
+        self._piece_bytes: Tensor | None = None  # UTF-8 bytes per token id (the data's tokenizer): bits per byte
 
     def setup(self, stage: str) -> None:
         datamodule = self.trainer.datamodule
@@ -146,22 +149,20 @@ class LitLM(LightningModule):
         loss = self.trainer.strategy.reduce(torch.stack(self._micro_losses).mean(), reduce_op="mean")
         log_scalars(self.trainer, {"train/loss": float(loss)}, step=1)
 
-    # Validation/test: an exact mean over all batches of all ranks (sums and counts, reduced once), so
-    # val/ppl is exactly exp(val/loss). One row per validation loader: the datamodule's `val_sets_order`
-    # names them (mixture sources, named held-out sets); "" is the data's own validation split.
+    # Validation/test: an exact mean over all batches of all ranks (`LossTotals`: sums, reduced once), so val/ppl
+    # is exactly exp(val/loss). One accumulator per validation loader: the datamodule's `val_sets_order` names them
+    # (mixture sources, named held-out sets); "" is the data's own validation split.
     def on_validation_epoch_start(self) -> None:
-        self._val_sets = list(getattr(self.trainer.datamodule, "val_sets_order", None) or [None])
-        named = any(v is not None and v.name for v in self._val_sets)
-        self._piece_bytes = self.trainer.datamodule.piece_bytes().to(self.device) if named else None
-        # per loader: Σ loss·tokens, target tokens, target bytes (`LossTotals`' sums, reduced over ranks at the end)
-        self._eval_sums = torch.zeros(len(self._val_sets), 3, dtype=torch.float64, device=self.device)
+        datamodule = self.trainer.datamodule
+        self._val_sets = list(getattr(datamodule, "val_sets_order", None) or [None])
+        self._eval_totals = [LossTotals(device=self.device) for _ in self._val_sets]
+        if self._piece_bytes is None and hasattr(datamodule, "piece_bytes"):  # (read once: the tokenizer is fixed)
+            self._piece_bytes = datamodule.piece_bytes()
+        if self._piece_bytes is not None:
+            self._piece_bytes = self._piece_bytes.to(self.device)
 
     def validation_step(self, batch: Tensor | dict[str, Tensor], batch_idx: int, dataloader_idx: int = 0) -> None:
-        targets = split_batch(batch)[0][:, 1:]
-        nbytes = self._piece_bytes[targets].sum() if self._piece_bytes is not None else targets.new_zeros(())
-        row = torch.stack([self.loss(batch).double() * targets.numel(),
-                           self._eval_sums.new_tensor(float(targets.numel())), nbytes.double()])
-        self._eval_sums[dataloader_idx] += row
+        self._eval_totals[dataloader_idx].add_batch(self.loss(batch), split_batch(batch)[0][:, 1:], self._piece_bytes)
 
     def on_validation_epoch_end(self) -> None:
         self._log_eval("val")
@@ -173,26 +174,21 @@ class LitLM(LightningModule):
         self._log_eval("test")
 
     def _log_eval(self, split: str) -> None:
-        sums = self.trainer.strategy.reduce(self._eval_sums, reduce_op="sum").tolist()
+        reduced = LossTotals.reduce_all(self._eval_totals, lambda t: self.trainer.strategy.reduce(t, reduce_op="sum"))
         # TensorBoard step = updates done: train/loss at s is the loss of update s, val/loss at s is measured
         # on the weights after s updates — those of checkpoint step-s. (Lightning's default, the 0-based batch
         # index, is one less; it would also put a checkpoint's validation on the far side of a resume purge.)
         # The values are already identical on every rank; sync_dist only keeps Lightning from warning.
         if self.trainer.state.fn == "fit":  # (validate/test do not restore global_step: Lightning's default)
             self.log("step", float(self.global_step), sync_dist=True)
-        totals = [LossTotals(*row) for row in sums]
-        losses = [t.loss for t in totals]
-        # val/loss: the data's own validation split (a mixture: its sources' losses, weighted as the mixture)
-        main = [(v.weight if v is not None else 1.0, loss) for v, loss in zip(self._val_sets, losses, strict=True)
+        values = [t.compute() for t in reduced]
+        main = [(v.weight if v is not None else 1.0, x) for v, x in zip(self._val_sets, values, strict=True)
                 if v is None or v.weight > 0]
         if main:  # (none when the data has no validation split of its own, only named held-out sets)
-            loss = sum(w * x for w, x in main) / sum(w for w, _ in main)
-            self.log(f"{split}/loss", loss, sync_dist=True)
-            self.log(f"{split}/ppl", perplexity(loss), sync_dist=True)
-        for val_set, t in zip(self._val_sets, totals, strict=True):
+            self.log_dict(tags(split, mixture(main)), sync_dist=True)
+        for val_set, x in zip(self._val_sets, values, strict=True):
             if val_set is not None and val_set.name:
-                self.log(f"{split}/{val_set.name}/loss", t.loss, sync_dist=True)
-                self.log(f"{split}/{val_set.name}/bpb", t.compute()["bits_per_byte"], sync_dist=True)
+                self.log_dict(tags(f"{split}/{val_set.name}", x), sync_dist=True)
 
     def _log_lrs(self) -> None:
         """train/lr: the schedule's LR (optim.lr · factor); train/lr_<group>: each group's (× its multipliers)."""
@@ -216,7 +212,11 @@ class LitLM(LightningModule):
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         # before the optimizer state loads (by group position): a fit's groups must be the checkpoint's
-        if self._trainer is None or self.trainer.state.fn != "fit":
+        try:
+            fitting = self.trainer.state.fn == "fit"
+        except RuntimeError:  # not attached to a Trainer (`LitLM.load_from_checkpoint`)
+            return
+        if not fitting:
             return
         for state in checkpoint.get("optimizer_states") or []:
             check_group_names([g.get("name") for g in state["param_groups"]], param_groups(self.model, self.optim))

@@ -9,11 +9,12 @@ the same strategy train for real on CPU — which is how the multi-process tests
 in `training/compat.py` (`DeepSpeedStrategyPatches`), with every other patch of a library's private API.
 
 Resuming on another world size (ZeRO-1/2/3): DeepSpeed refuses to load optimizer shards written by another
-number of ranks. `load_checkpoint` then converts the checkpoint once into DeepSpeed's universal format (rank 0,
-`deepspeed.checkpoint.ds_to_universal`, cached inside the checkpoint directory as `checkpoint_universal/` +
-`latest_universal`, written to a temporary name and renamed) and loads that, which re-partitions the fp32
-weights and Adam moments for the new world size (and repairs two slips of the ZeRO-3 loader, see
-`compat.repair_zero3_universal_load`). DeepSpeed without ZeRO is refused earlier (see `check_reshard`).
+number of ranks. `resume_from` (called by `normlab fit` before the engine is built) then sets DeepSpeed's config
+key `checkpoint.load_universal`, and `load_checkpoint` converts the checkpoint once into DeepSpeed's universal
+format (rank 0, `deepspeed.checkpoint.ds_to_universal`, cached inside the checkpoint directory as
+`checkpoint_universal/` + `latest_universal`, written to a temporary name and renamed) and loads that, which
+re-partitions the fp32 weights and Adam moments for the new world size (and repairs two slips of the ZeRO-3
+loader, see `compat.repair_zero3_universal_load`). DeepSpeed without ZeRO is refused earlier (see `check_reshard`).
 
 Precision: one regime on every strategy. `bf16-mixed` / `16-mixed` mean torch autocast over fp32 weights — fp32
 parameters, gradients, gradient all-reduce and optimizer, with matmuls in bf16/fp16 — on one device, under DDP
@@ -25,7 +26,10 @@ that sets `bf16`, `fp16` or `torch_autocast` itself is used as written. `precisi
 checkpoint manifest records.
 
 Every DeepSpeed read of a checkpoint here (the engine's loader, the universal conversion and load, the ZeRO-3
-consolidation) runs weights-only: no code from a checkpoint runs (training/checkpointing/safe.py).
+consolidation) runs weights-only: no code from a checkpoint runs (training/checkpointing/safe.py). Every write of a
+save goes through `HoldingCheckpointEngine` (training/checkpointing/held_writes.py), installed on the engine at
+`setup`, so a failed write is held until the save's collectives are over (training/checkpointing/save.py); `latest`
+is left to the save (`save_checkpoint`'s `storage_options`, the engine's own arguments).
 """
 from __future__ import annotations
 
@@ -36,6 +40,7 @@ import shutil
 import subprocess
 import sys
 from collections.abc import Callable, MutableMapping
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
@@ -45,15 +50,13 @@ from lightning.pytorch.accelerators import CUDAAccelerator
 from lightning.pytorch.strategies import DeepSpeedStrategy, Strategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 
+from training import compat
+from training.checkpointing.layout import DEEPSPEED_TAG
 from training.checkpointing.load import deepspeed_state_dict
 from training.checkpointing.manifest import MANIFEST, CheckpointError, Manifest
 from training.checkpointing.safe import UnsafeCheckpointError, no_code_from_checkpoints
-from training.compat import (
-    DeepSpeedStrategyPatches,
-    load_universal_checkpoint,
-    repair_zero3_universal_load,
-    restore_full_weights,
-)
+from training.compat import DeepSpeedStrategyPatches, repair_zero3_universal_load, restore_full_weights
+from training.errors import UserError
 
 log = logging.getLogger(__name__)
 
@@ -88,13 +91,62 @@ class DeepSpeed(DeepSpeedStrategyPatches):
     """Lightning's DeepSpeedStrategy with `config` given by name (`zero1|zero2|zero3`) or path; runs on CPU too."""
 
     def __init__(self, config: str | dict = "zero2", **kwargs: Any) -> None:
-        super().__init__(config=load_deepspeed_config(config), **kwargs)
+        config = load_deepspeed_config(config)
+        other_engine = [k for k in ("checkpoint.writer", "datastates_ckpt") if _get(config, k) not in (None, False)]
+        if other_engine:
+            raise UserError(f"DeepSpeed config: {other_engine[0]} selects another checkpoint engine, which normlab's "
+                            "checkpoint saves do not support (each file write is checked and a failed one reported by "
+                            f"every rank, see docs/checkpoints.md): remove {other_engine[0]}")
+        super().__init__(config=config, **kwargs)
+        self._writes: Any = None  # the engine's HoldingCheckpointEngine, once the engine is built (setup)
 
     def setup_environment(self) -> None:
         # Before anything reads the config (Lightning formats it in `setup`, or in `model_sharded_context` for
         # ZeRO-3's configure_model, both later); the precision plugin is known by now.
         autocast_config(self.config, self.precision_plugin.precision)
         super().setup_environment()
+
+    def setup(self, trainer: Any) -> None:
+        super().setup(trainer)  # builds the engine
+        if trainer.state.fn != TrainerFn.FITTING:  # (only a fit saves; validate/test's engine may have no writer)
+            return
+        from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+
+        from training.checkpointing.held_writes import HoldingCheckpointEngine
+
+        engine = self.deepspeed_engine
+        if type(engine.checkpoint_engine) is not TorchCheckpointEngine:  # (refused in __init__ by its config keys)
+            raise RuntimeError(f"unexpected DeepSpeed checkpoint engine {type(engine.checkpoint_engine).__name__}")
+        compat.require("deepspeed.runtime.engine:DeepSpeedEngine.checkpoint_engine")
+        compat.require("deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine:TorchCheckpointEngine.save")
+        self._writes = HoldingCheckpointEngine(engine.checkpoint_engine.zipfile_serialization)
+        engine.checkpoint_engine = self._writes
+        compat.hold_recovery_script(engine, self._writes.through)
+
+    def writes_held(self, hold: Callable[[Callable], Callable]) -> AbstractContextManager[None]:
+        """Within the block, every file the engine writes for a checkpoint goes through `hold(write)`."""
+        return self._writes.holding(hold)
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: str | Path,
+                        storage_options: dict[str, Any] | None = None) -> None:
+        """Lightning's DeepSpeed save (the engine's own sharded save: weights and optimizer state are the engine's,
+        the rest of `checkpoint` its client state), with `storage_options` as keyword arguments of the engine's
+        `save_checkpoint` — `{"save_latest": False}`: normlab writes `latest` itself, once every shard is
+        (checkpointing/save.py). (Lightning's own refuses any storage_options.)"""
+        filepath = self.broadcast(filepath)  # every rank saves into rank 0's path
+        client_state = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+        self.deepspeed_engine.save_checkpoint(filepath, client_state=client_state, tag=DEEPSPEED_TAG,
+                                              exclude_frozen_parameters=self.exclude_frozen_parameters,
+                                              **(storage_options or {}))
+
+    def resume_from(self, ckpt_path: str | Path) -> None:
+        """Before `fit` builds the engine: the checkpoint it will load. One written by another world size loads
+        through DeepSpeed's universal format (see the module docstring), which the engine's documented config key
+        `checkpoint.load_universal` selects for its loads."""
+        manifest_file = Path(ckpt_path) / MANIFEST
+        saved_world = Manifest.read(ckpt_path).world_size if manifest_file.is_file() else None
+        if saved_world not in (None, self.world_size):
+            self.config.setdefault("checkpoint", {})["load_universal"] = True
 
     def load_checkpoint(self, checkpoint_path: str | Path, weights_only: bool | None = None) -> dict[str, Any]:
         with no_code_from_checkpoints():  # DeepSpeed's readers ask torch.load for weights_only=False
@@ -110,16 +162,18 @@ class DeepSpeed(DeepSpeedStrategyPatches):
             # (validate/test under ZeRO-1/2: Lightning's inference engine is not sharded and reads the whole
             # weights, whatever world size wrote them)
             return super().load_checkpoint(checkpoint_path, weights_only)
+        if not _get(self.config, "checkpoint.load_universal"):
+            raise CheckpointError(f"{checkpoint_path} was written by {saved_world} ranks, this fit runs "
+                                  f"{self.world_size}: call DeepSpeed.resume_from(checkpoint) before fit (`normlab "
+                                  "fit` does)")
         self._on_rank_zero(lambda: to_universal(Path(checkpoint_path)))
         log.warning("loading %s (written by %d ranks) on %d ranks through DeepSpeed's universal checkpoint",
                     checkpoint_path, saved_world, self.world_size)
-        load_universal_checkpoint(self, True)
         optimizer = self.deepspeed_engine.optimizer
         own = [{k: v for k, v in g.items() if k not in ("params", "lr")} for g in optimizer.param_groups]
         try:
             return super().load_checkpoint(checkpoint_path, weights_only)
         finally:
-            load_universal_checkpoint(self, False)
             if self.zero_stage_3:  # (the ZeRO-1/2 loader restores each group's own values itself)
                 repair_zero3_universal_load(optimizer, own)
 
@@ -175,6 +229,13 @@ DeepSpeed.register_strategies(StrategyRegistry)
 
 
 AUTOCAST_DTYPES = {"bf16-mixed": "bfloat16", "16-mixed": "float16"}
+
+
+def _get(config: dict[str, Any], dotted: str) -> Any:
+    """A DeepSpeed config value by its dotted key (None when absent)."""
+    for key in dotted.split("."):
+        config = config.get(key) if isinstance(config, dict) else None
+    return config
 
 
 def autocast_config(config: dict, precision: str) -> None:

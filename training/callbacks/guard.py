@@ -50,6 +50,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 
 from model.names import layer_index
 from training.callbacks.spikes import SpikeRecorder, mean_and_std
+from training.compat import zero_optimizer_internal
 from training.loggers import log_scalars
 from training.strategy import is_deepspeed
 
@@ -67,7 +68,7 @@ def _scaler_skips_overflows(trainer: Trainer, deepspeed: bool) -> bool:
     if deepspeed:
         engine = trainer.strategy.deepspeed_engine
         # fp16 autocast (16-mixed, training/strategy.py): the ZeRO optimizer's own torch GradScaler
-        autocast_scaler = getattr(engine.optimizer, "torch_autocast_gradscaler", None) is not None
+        autocast_scaler = zero_optimizer_internal(engine.optimizer, "torch_autocast_gradscaler") is not None
         return bool(engine.fp16_enabled() and engine.dynamic_loss_scale()) or autocast_scaler
     return getattr(trainer.precision_plugin, "scaler", None) is not None
 
@@ -239,7 +240,7 @@ class NonFiniteGuard(Callback):
 
             # The ZeRO optimizer's own overflow test reads each rank's gradient partition and all-reduces one
             # flag: cheap. Only when it fires are the full gradients gathered, to name the first bad layer.
-            has_overflow = getattr(trainer.strategy.deepspeed_engine.optimizer, "has_overflow", None)
+            has_overflow = zero_optimizer_internal(trainer.strategy.deepspeed_engine.optimizer, "has_overflow")
             if has_overflow is not None and not has_overflow(partition_gradients=True):
                 return []
             grad_of = safe_get_full_grad

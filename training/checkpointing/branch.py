@@ -31,6 +31,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from training.checkpointing.layout import LIGHTNING_FILE, MODEL_CONFIG_FILE, load_path
 from training.checkpointing.manifest import MANIFEST, CheckpointError, Manifest, read_verified
 from training.optim import restart_schedule
+from training.rundir import RunDir
 
 log = logging.getLogger(__name__)
 
@@ -56,8 +57,8 @@ class Parent:
     def record(self) -> dict[str, Any]:
         """What the branch's manifests record about this parent."""
         m = self.manifest
-        run_dir = self.ckpt_dir.parent.parent if self.ckpt_dir.parent.name == "checkpoints" else None
-        record = {"checkpoint": str(self.ckpt_dir), "run_dir": str(run_dir) if run_dir else None,
+        run = RunDir.of_checkpoint(self.ckpt_dir)
+        record = {"checkpoint": str(self.ckpt_dir), "run_dir": str(run.path) if run else None,
                   "step": self.step, "tokens_seen": m.tokens_seen, "config_hash": m.config_hash,
                   "tokenizer_hash": m.tokenizer_hash, "git_revision": m.git_revision,
                   "manifest_sha256": hashlib.sha256((self.ckpt_dir / MANIFEST).read_bytes()).hexdigest()}

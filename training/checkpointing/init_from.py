@@ -36,10 +36,11 @@ from safetensors import SafetensorError
 
 from data.tokenizer import sha256_file
 from model import ModelConfig
-from training.checkpointing.layout import MANIFEST, MODEL_CONFIG_FILE, CheckpointError, config_hash, read_manifest
+from training.checkpointing.layout import MANIFEST, CheckpointError, Manifest, config_hash
 from training.checkpointing.load import NORMLAB_EXPORT_CONFIG, load_checkpoint
 from training.errors import UserError
 from training.remote_code import HF_READ, refuse_custom_code
+from training.rundir import model_config
 
 log = logging.getLogger(__name__)
 
@@ -125,10 +126,10 @@ def resolve(init_from: str) -> Source:
     refuse_custom_code(path, where)  # before transformers could ask whether to run the model's own code
     try:
         if (path / MANIFEST).is_file():
-            manifest = read_manifest(path)
-            config = ModelConfig(**json.loads((path / MODEL_CONFIG_FILE).read_text()))
-            hashes = {"manifest": manifest["tokenizer_hash"]} if manifest.get("tokenizer_hash") else {}
-            return Source(path, "checkpoint", config, hashes, manifest.get("step"))
+            manifest = Manifest.read(path)
+            config = ModelConfig(**model_config(path))
+            hashes = {"manifest": manifest.tokenizer_hash} if manifest.tokenizer_hash else {}
+            return Source(path, "checkpoint", config, hashes, manifest.step)
         hashes = {n: sha256_file(path / n) for n in TOKENIZER_FILES if (path / n).is_file()}
         if (path / NORMLAB_EXPORT_CONFIG).is_file() or (path / "config.json").is_file():
             _safetensors_files(path)
@@ -270,6 +271,10 @@ def _outside_zero_init() -> Iterator[None]:
     except ImportError:  # no DeepSpeed: nothing to pause
         yield
         return
+    from training.compat import require
+
+    require("deepspeed.runtime.zero.partition_parameters:shutdown_init_context")
+    require("deepspeed.runtime.zero.partition_parameters:restore_init_context")
     shutdown_init_context()
     try:
         yield

@@ -22,13 +22,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import yaml
 
 from model import ModelConfig, Transformer
-from training.checkpointing.layout import CONFIG_FILE, LIGHTNING_FILE, MODEL_CONFIG_FILE
+from training.checkpointing.layout import LIGHTNING_FILE, MODEL_CONFIG_FILE
 from training.checkpointing.manifest import MANIFEST, CheckpointError, read_verified
 from training.checkpointing.safe import no_code_from_checkpoints, refusal, safe_torch_load
 from training.remote_code import HF_READ, refuse_custom_code
+from training.rundir import RunDir, data_path, model_config, step_config, tokenizer_of
 
 log = logging.getLogger(__name__)
 
@@ -47,9 +47,7 @@ class Loaded:
     @property
     def data_path(self) -> Path | None:
         """The run's data directory (of a mixture, its first source: all share one tokenizer)."""
-        path = (self.run_config.get("data") or {}).get("path")
-        path = next(iter(path), None) if isinstance(path, dict) else path
-        return Path(path) if path else None
+        return data_path(self.run_config)
 
 
 def _strip(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -88,21 +86,9 @@ def _read_json(path: Path) -> dict[str, Any]:
 
 
 def _run_context(ckpt_dir: Path) -> tuple[Path | None, dict[str, Any]]:
-    """The run directory (…/runs/<name>) and its resolved config, found beside a step directory."""
-    config = {}
-    if (ckpt_dir / CONFIG_FILE).is_file():
-        config = yaml.safe_load((ckpt_dir / CONFIG_FILE).read_text()) or {}
-    run_dir = ckpt_dir.parent.parent if ckpt_dir.parent.name == "checkpoints" else None
-    return run_dir, config
-
-
-def _tokenizer_of(run_config: dict[str, Any]) -> Path | None:
-    data_path = (run_config.get("data") or {}).get("path")
-    data_path = next(iter(data_path), None) if isinstance(data_path, dict) else data_path  # a mixture's first source
-    meta = Path(data_path) / "meta.json" if data_path else None
-    if meta is None or not meta.is_file():
-        return None
-    return Path(data_path) / json.loads(meta.read_text())["tokenizer_path"]
+    """The run directory (…/runs/<name>) and the resolved config saved beside a step directory."""
+    run = RunDir.of_checkpoint(ckpt_dir)
+    return run.path if run is not None else None, step_config(ckpt_dir)
 
 
 def _build(config: dict[str, Any], state: dict[str, torch.Tensor], where: Path) -> Transformer:
@@ -124,9 +110,7 @@ def _build(config: dict[str, Any], state: dict[str, torch.Tensor], where: Path) 
 
 def _load_step_dir(ckpt_dir: Path) -> Loaded:
     manifest = read_verified(ckpt_dir)  # sizes and hashes, before anything is unpickled
-    if not (ckpt_dir / MODEL_CONFIG_FILE).is_file():
-        raise CheckpointError(f"'{ckpt_dir}' has no {MODEL_CONFIG_FILE}: it was not written by normlab")
-    config = _read_json(ckpt_dir / MODEL_CONFIG_FILE)
+    config = model_config(ckpt_dir)
     if manifest.deepspeed:
         state = deepspeed_state_dict(ckpt_dir)
     else:
@@ -136,7 +120,7 @@ def _load_step_dir(ckpt_dir: Path) -> Loaded:
         state = safe_torch_load(file)["state_dict"]
     run_dir, run_config = _run_context(ckpt_dir)
     return Loaded(_build(config, _strip(state), ckpt_dir), manifest.step, run_dir, run_config,
-                  _tokenizer_of(run_config), f"checkpoint ({manifest.format})")
+                  tokenizer_of(run_config), f"checkpoint ({manifest.format})")
 
 
 def _load_export_dir(path: Path) -> Loaded:
@@ -180,12 +164,10 @@ def _load_file(path: Path) -> Loaded:
         state = loaded.get("state_dict", loaded) if isinstance(loaded, dict) else None
         if state is None:
             raise CheckpointError(f"'{path}' holds no state dict")
-    config_file = path.parent / MODEL_CONFIG_FILE
-    if not config_file.is_file():
-        raise CheckpointError(f"'{path}' needs its model config: put the run's {MODEL_CONFIG_FILE} beside it")
+    config = model_config(path.parent, f"put the run's {MODEL_CONFIG_FILE} beside '{path.name}'")
     run_dir, run_config = _run_context(path.parent)
-    return Loaded(_build(_read_json(config_file), _strip(state), path), None, run_dir, run_config,
-                  _tokenizer_of(run_config), "state-dict file")
+    return Loaded(_build(config, _strip(state), path), None, run_dir, run_config, tokenizer_of(run_config),
+                  "state-dict file")
 
 
 def load_checkpoint(path: str | Path, device: str | torch.device = "cpu",

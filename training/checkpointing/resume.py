@@ -12,13 +12,13 @@ each failure names the checkpoint and the fix.
 """
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 from typing import Any
 
 from lightning.pytorch import LightningModule, Trainer
 
+from training import rundir
 from training.checkpointing.layout import (
     CONFIG_FILE,
     MODEL_CONFIG_FILE,
@@ -99,9 +99,8 @@ def check_settings(ckpt_dir: Path, model_config: dict[str, Any], tokenizer_path:
     """The checks of `check_fits` that read no pickle: the files are as saved, the model config and the tokenizer
     are the run's (`action`: also "validate", "test"). Returns the manifest."""
     manifest = read_verified(ckpt_dir)
-    config_file = ckpt_dir / MODEL_CONFIG_FILE
-    if config_file.is_file():
-        saved = _as_today(json.loads(config_file.read_text()))
+    if (ckpt_dir / MODEL_CONFIG_FILE).is_file():
+        saved = _as_today(rundir.model_config(ckpt_dir))
         if config_hash(saved) != config_hash(model_config):
             diff = ", ".join(f"{k}: {saved.get(k)!r} → {model_config.get(k)!r}"
                              for k in sorted(set(saved) | set(model_config)) if saved.get(k) != model_config.get(k))

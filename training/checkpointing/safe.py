@@ -28,7 +28,6 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
-from unittest import mock
 
 import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
@@ -43,7 +42,7 @@ def _allowed() -> list[Any]:
     nothing is allowed (and a Lightning file's read does not import DeepSpeed, whose import prints a warning)."""
     if "deepspeed" not in sys.modules:
         return []
-    from deepspeed.runtime.fp16.loss_scaler import LossScaler
+    from deepspeed.runtime.fp16.loss_scaler import LossScaler  # (internal classes: catalogued in training/compat.py)
     from deepspeed.runtime.zero.config import ZeroStageEnum
     from deepspeed.utils.tensor_fragment import fragment_address
 
@@ -138,7 +137,7 @@ def safe_torch_load(path: str | Path, map_location: Any = "cpu", mmap: bool = Fa
 def no_code_from_checkpoints() -> Iterator[None]:
     """Within the block, every `torch.load` in this process is weights-only with `_allowed()` (see the module
     docstring: DeepSpeed's readers ask for weights_only=False). Nests."""
-    from training.compat import require
+    from training.compat import patched, require
 
     require("torch:load")
     load = torch.load
@@ -150,7 +149,7 @@ def no_code_from_checkpoints() -> Iterator[None]:
         return _load(load, f, *args, **kwargs)
 
     weights_only_load._normlab_weights_only = True  # type: ignore[attr-defined]
-    with mock.patch.object(torch, "load", weights_only_load):
+    with patched(torch, "load", weights_only_load):
         yield
 
 
@@ -193,6 +192,10 @@ def _ds_to_universal(argv: list[str]) -> None:
     processes are forked, and inherit the guard."""
     from deepspeed.checkpoint import ds_to_universal
 
+    from training.compat import require
+
+    require("deepspeed.checkpoint.ds_to_universal:main")
+    require("deepspeed.checkpoint.ds_to_universal:parse_arguments")
     sys.argv = ["ds_to_universal", *argv]
     with no_code_from_checkpoints():
         ds_to_universal.main(ds_to_universal.parse_arguments())

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from lightning.fabric.plugins import CheckpointIO
 from lightning.pytorch import LightningModule, Trainer
 
 from training.checkpointing.layout import (
@@ -54,7 +55,6 @@ from training.checkpointing.layout import (
 )
 from training.checkpointing.manifest import VERSION as MANIFEST_VERSION
 from training.checkpointing.manifest import Manifest, hash_file, hash_files
-from training.compat import hold_checkpoint_writes
 from training.distributed import gather_objects
 from training.strategy import is_deepspeed, precision_record
 
@@ -92,7 +92,10 @@ def save_step(trainer: Trainer, pl_module: LightningModule, record: RunRecord) -
     deepspeed = is_deepspeed(trainer.strategy)
     # Every rank calls save_checkpoint: it is a collective (shards, RNG gather), and it ends in a barrier.
     with _write_errors_held(trainer) as (held, written):
-        trainer.save_checkpoint(tmp if deepspeed else tmp / LIGHTNING_FILE, weights_only=False)
+        if deepspeed:  # DeepSpeed's `latest` is left to `_commit` (rank 0, once every shard is written)
+            trainer.save_checkpoint(tmp, weights_only=False, storage_options={"save_latest": False})
+        else:
+            trainer.save_checkpoint(tmp / LIGHTNING_FILE, weights_only=False)
     digests = {} if held else {str(p.relative_to(tmp)): hash_file(p) for p in written if p.is_file()}
     gathered = gather_objects((held[0] if held else None, digests))
     error = "; ".join(f"rank {rank}: {err}" for rank, (err, _) in enumerate(gathered) if err) or None
@@ -121,9 +124,10 @@ def _write_errors_held(trainer: Trainer) -> Iterator[tuple[list[str], list[Path]
     """Within the block, an error from one of this rank's checkpoint writes is recorded in the first yielded list
     instead of raised, so the rank goes on through the save's remaining collectives (the second list: the files
     this rank wrote, hashed right after the save). A full disk shows as an OSError, or as a RuntimeError from
-    torch.save's zip writer. Which writes are wrapped: see
-    `compat.hold_checkpoint_writes`; DeepSpeed's `latest` is left to `_commit` (rank 0, after every shard is
-    written — it would otherwise be a raw write on rank 0 just before DeepSpeed's last barrier)."""
+    torch.save's zip writer. The writes: under DeepSpeed, every file its engine writes (its checkpoint engine and
+    the recovery-script copy, `DeepSpeed.writes_held` in training/strategy.py), but `latest`, left to `_commit`
+    (it would otherwise be a raw write on rank 0 just before DeepSpeed's last barrier); otherwise Lightning's
+    checkpoint IO (`_HeldIO`)."""
     held: list[str] = []
     written: list[Path] = []
     strategy, rank = trainer.strategy, trainer.global_rank
@@ -141,8 +145,32 @@ def _write_errors_held(trainer: Trainer) -> Iterator[tuple[list[str], list[Path]
             return result
         return call
 
-    with hold_checkpoint_writes(strategy, is_deepspeed(strategy), holding):
+    if is_deepspeed(strategy):
+        with strategy.writes_held(holding):
+            yield held, written
+        return
+    io = strategy.checkpoint_io
+    strategy.checkpoint_io = _HeldIO(io, holding)
+    try:
         yield held, written
+    finally:
+        strategy.checkpoint_io = io
+
+
+class _HeldIO(CheckpointIO):
+    """Lightning's checkpoint IO `io` for one save, its writes through `hold`."""
+
+    def __init__(self, io: CheckpointIO, hold: Any) -> None:
+        self.io, self.hold = io, hold
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None) -> None:
+        self.hold(self.io.save_checkpoint)(checkpoint, path, storage_options)
+
+    def load_checkpoint(self, *args: Any, **kwargs: Any) -> Any:
+        return self.io.load_checkpoint(*args, **kwargs)
+
+    def remove_checkpoint(self, path: Any) -> None:
+        self.io.remove_checkpoint(path)
 
 
 def _commit(tmp: Path, final: Path, trainer: Trainer, pl_module: LightningModule, fmt: str,

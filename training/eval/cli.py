@@ -16,7 +16,8 @@ from training.checkpointing.layout import write_text_atomic
 from training.checkpointing.load import CheckpointError
 from training.errors import UserError, report
 from training.eval.heldout import evaluate_sets, split_line
-from training.eval.history import evaluate_run, is_run_dir
+from training.eval.history import evaluate_run
+from training.rundir import RunDir
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -44,8 +45,8 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         if args.tasks:
-            return _run_tasks(args, is_run_dir(args.checkpoint))
-        if is_run_dir(args.checkpoint):
+            return _run_tasks(args, RunDir(args.checkpoint).is_run())
+        if RunDir(args.checkpoint).is_run():
             if args.output is not None:
                 raise ValueError("--output: a run's results go to <run>/eval/; leave --output out, or evaluate one "
                                  "checkpoint directory")

@@ -25,7 +25,7 @@ from data.layout import document_starts, load_tokenizer, open_tokens, read_meta
 from data.tokenizer import sha256_file
 from training.checkpointing.load import CheckpointError, load_checkpoint
 from training.checkpointing.manifest import MANIFEST, Manifest
-from training.eval.metrics import LossTotals, batch_loss, split_batch
+from training.eval.metrics import LossTotals, batch_loss, split_batch, tags
 from training.loggers import write_scalars
 
 log = logging.getLogger(__name__)
@@ -149,15 +149,14 @@ def score(model: torch.nn.Module, held: HeldOut, batch_size: int, device: str) -
     """Loss, perplexity and bits per byte of `model` on the windows of `held`: the batches and the loss of the
     run's own validation (`window_batch`, `batch_loss`), reduced by `LossTotals`."""
     nbytes = torch.from_numpy(piece_bytes(held.data_dir / held.meta["tokenizer_path"], model.cfg.vocab_size))
-    totals = LossTotals()
+    nbytes = nbytes.to(device)
+    totals = LossTotals(device=device)
     batches = range(0, len(held.starts), batch_size)
     with torch.no_grad():
         for b in tqdm(batches, desc=f"evaluate {held.name}", disable=len(batches) < 4 or not sys.stderr.isatty()):
             batch = window_batch(held.tokens, held.starts[b:b + batch_size], held.seq_len + 1, held.document_starts)
             batch = {k: v.to(device) for k, v in batch.items()} if isinstance(batch, dict) else batch.to(device)
-            targets = split_batch(batch)[0][:, 1:]
-            totals.add(batch_loss(model, batch).double().item() * targets.numel(), targets.numel(),
-                       int(nbytes[targets.cpu()].sum()))
+            totals.add_batch(batch_loss(model, batch), split_batch(batch)[0][:, 1:], nbytes)
     return {"set": held.name, "data": str(held.data_dir), "split": held.split, "seq_len": held.seq_len,
             "tokens": totals.tokens, "bytes": totals.nbytes, **totals.compute()}
 
@@ -188,8 +187,7 @@ def evaluate(checkpoint: str | Path, data: str | Path | None = None, split: str 
 def log_to_tensorboard(run_dir: Path, results: list[dict[str, Any]]) -> None:
     """`eval/<set>/loss|ppl|bpb` at each result's step, in the run's own TensorBoard directory."""
     for result in results:
-        write_scalars(run_dir, {f"eval/{result['set']}/{tag}": result[key] for key, tag in
-                                (("loss", "loss"), ("perplexity", "ppl"), ("bits_per_byte", "bpb"))}, result["step"])
+        write_scalars(run_dir, tags(f"eval/{result['set']}", result), result["step"])
 
 
 def split_line(r: dict[str, Any]) -> str:

@@ -20,36 +20,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import yaml
 
-from training.checkpointing.layout import (
-    CONFIG_FILE,
-    MANIFEST,
-    MODEL_CONFIG_FILE,
-    Manifest,
-    checkpoints_dir,
-    complete_checkpoints,
-    step_dirname,
-    write_text_atomic,
-)
+from training.checkpointing.layout import MANIFEST, Manifest, checkpoints_dir, write_text_atomic
 from training.checkpointing.load import CheckpointError, load_checkpoint
 from training.eval.heldout import log_to_tensorboard, parse_sets, plan_sets, score, split_line
+from training.eval.metrics import METRICS
+from training.rundir import RunDir, model_config, step_config
 
 log = logging.getLogger(__name__)
 
-EVAL_DIR = "eval"
-CSV_FIELDS = ("step", "tokens_seen", "loss", "perplexity", "bits_per_byte", "tokens", "bytes", "split", "data",
-              "checkpoint")
-
-
-def is_run_dir(path: str | Path) -> bool:
-    """A run directory (`runs/NAME`, holding `checkpoints/`), as opposed to one checkpoint or an export."""
-    path = Path(path)
-    return path.is_dir() and not (path / MANIFEST).is_file() and checkpoints_dir(path).is_dir()
-
-
-def result_path(run_dir: Path, name: str, step: int) -> Path:
-    return Path(run_dir) / EVAL_DIR / name / f"{step_dirname(step)}.json"
+CSV_FIELDS = ("step", "tokens_seen", *METRICS, "tokens", "bytes", "split", "data", "checkpoint")
 
 
 def scored_with(path: Path, settings: dict[str, Any]) -> bool:
@@ -63,9 +43,9 @@ def scored_with(path: Path, settings: dict[str, Any]) -> bool:
 def evaluate_run(run_dir: str | Path, data: list[str] | None = None, split: str = "val",
                  max_tokens: int | None = None, batch_size: int = 8, device: str | None = None) -> list[dict[str, Any]]:
     """Score every complete checkpoint of `run_dir` not yet scored with the same settings; returns the new results."""
-    run_dir = Path(run_dir)
+    run = RunDir(run_dir)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    checkpoints = complete_checkpoints(run_dir)
+    checkpoints = run.checkpoints()
     if not checkpoints:
         raise CheckpointError(f"'{run_dir}' holds no complete checkpoint (none in {checkpoints_dir(run_dir)} has a "
                               f"{MANIFEST}); train it first, or pass one checkpoint directory")
@@ -73,12 +53,9 @@ def evaluate_run(run_dir: str | Path, data: list[str] | None = None, split: str 
     new: list[dict[str, Any]] = []
     for ckpt in checkpoints:
         manifest = Manifest.read(ckpt)
-        run_config = yaml.safe_load((ckpt / CONFIG_FILE).read_text()) if (ckpt / CONFIG_FILE).is_file() else {}
-        model_config = json.loads((ckpt / MODEL_CONFIG_FILE).read_text())
-        sets = plan_sets(specs, run_config or {}, int(model_config["max_seq_len"]), manifest.tokenizer_hash,
+        sets = plan_sets(specs, step_config(ckpt), int(model_config(ckpt)["max_seq_len"]), manifest.tokenizer_hash,
                          str(ckpt), split, max_tokens)
-        todo = [held for held in sets
-                if not scored_with(result_path(run_dir, held.name, manifest.step), held.settings())]
+        todo = [held for held in sets if not scored_with(run.eval_file(held.name, manifest.step), held.settings())]
         if not todo:
             log.info("%s: already evaluated with these settings, skipped", ckpt.name)
             continue
@@ -86,15 +63,14 @@ def evaluate_run(run_dir: str | Path, data: list[str] | None = None, split: str 
         for held in todo:
             result = {"checkpoint": str(ckpt), "step": manifest.step, "tokens_seen": manifest.tokens_seen,
                       **score(loaded.model, held, batch_size, device), "settings": held.settings()}
-            write_text_atomic(_mkdir(result_path(run_dir, held.name, result["step"])), json.dumps(result, indent=2)
-                              + "\n")
-            log_to_tensorboard(run_dir, [result])
+            write_text_atomic(_mkdir(run.eval_file(held.name, result["step"])), json.dumps(result, indent=2) + "\n")
+            log_to_tensorboard(run.path, [result])
             log.info("step %d: %s", result["step"], split_line(result))
             new.append(result)
         for held in todo:
-            write_csv(run_dir, held.name)
+            write_csv(run.path, held.name)
     for name in sorted({r["set"] for r in new}):
-        log.info("results: %s and %s/", run_dir / EVAL_DIR / f"{name}.csv", run_dir / EVAL_DIR / name)
+        log.info("results: %s and %s/", run.eval_csv(name), run.eval_dir / name)
     return new
 
 
@@ -105,11 +81,11 @@ def _mkdir(path: Path) -> Path:
 
 def write_csv(run_dir: Path, name: str) -> Path:
     """`eval/<name>.csv`: one row per step from the step files, in step order (rewritten atomically)."""
-    rows = [json.loads(p.read_text()) for p in sorted((Path(run_dir) / EVAL_DIR / name).glob("step-*.json"))]
+    run = RunDir(run_dir)
     buffer = io.StringIO()
     writer = csv.DictWriter(buffer, fieldnames=CSV_FIELDS, extrasaction="ignore", lineterminator="\n")
     writer.writeheader()
-    writer.writerows(rows)
-    path = Path(run_dir) / EVAL_DIR / f"{name}.csv"
+    writer.writerows(run.eval_results(name))
+    path = run.eval_csv(name)
     write_text_atomic(path, buffer.getvalue())
     return path

@@ -1,16 +1,20 @@
 """The one definition of held-out numbers, shared by validation inside `normlab fit` (`LitLM`) and
-`normlab evaluate` (`training/eval/heldout.py`): the loss of a batch, and loss / perplexity / bits per byte from
-sums over batches.
+`normlab evaluate` (`training/eval/heldout.py`): the loss of a batch, the accumulator, and the tag names.
 
 Both paths score a batch exactly as training does (`batch_loss`: the model's chunked LM-head loss, with the
-batch's `position_ids` under document masking), and both reduce with `LossTotals`: token-weighted sums, so the
+batch's `position_ids` under document masking), and both accumulate into `LossTotals`: token-weighted sums, so the
 mean is exact whatever the batch sizes, and `perplexity` is exactly `exp(loss)`.
+
+Tags (docs/monitoring.md): `<prefix>/<short name>` with the short names of METRICS — `val/loss|ppl|bpb` (the data's
+own validation set), `val/<set>/...` (a mixture's source, a named held-out set), `test/...`, and
+`eval/<set>/...` from `normlab evaluate`. `tags` is the only place they are spelled.
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Callable
 
+import torch
 from torch import Tensor, nn
 
 
@@ -39,24 +43,78 @@ def bits_per_byte(loss: float, tokens: int | float, nbytes: int | float) -> floa
     return loss / math.log(2) * tokens / max(nbytes, 1)
 
 
-@dataclass
+METRICS = {"loss": "loss", "perplexity": "ppl", "bits_per_byte": "bpb"}  # result key → tag name
+
+
+def tag(prefix: str, metric: str) -> str:
+    """The tag of one held-out number (`metric`, a key of METRICS) under `prefix` (`val`, `val/web`, `eval/val`)."""
+    return f"{prefix}/{METRICS[metric]}"
+
+
+def tags(prefix: str, values: dict[str, float]) -> dict[str, float]:
+    """{tag: value} of the held-out numbers among `values` (a `LossTotals.compute()` result or a saved one)."""
+    return {tag(prefix, metric): values[metric] for metric in METRICS if metric in values}
+
+
+def mixture(parts: list[tuple[float, dict[str, float]]]) -> dict[str, float]:
+    """The held-out numbers of a mixture from its sources' [(weight, numbers)]: loss and bits per byte are the
+    weighted means (as the mixture weighs its sources), perplexity exp(loss). One source: its numbers."""
+    total = sum(w for w, _ in parts)
+    out = {"loss": sum(w * x["loss"] for w, x in parts) / total}
+    out["perplexity"] = perplexity(out["loss"])
+    if all("bits_per_byte" in x for _, x in parts):
+        out["bits_per_byte"] = sum(w * x["bits_per_byte"] for w, x in parts) / total
+    return out
+
+
 class LossTotals:
-    """Running sums over scored batches: Σ loss·tokens (nats), target tokens, target UTF-8 bytes."""
+    """Running sums over scored batches: Σ loss·tokens (nats), target tokens, target UTF-8 bytes — one float64
+    tensor on the batches' device, so adding a batch needs no host sync, and the totals of several sets reduce
+    across ranks in one collective (`reduce_all`)."""
 
-    loss_sum: float = 0.0
-    tokens: int = 0
-    nbytes: int = 0
+    def __init__(self, loss_sum: float = 0.0, tokens: int = 0, nbytes: int = 0,
+                 device: torch.device | str | None = None) -> None:
+        self.sums = torch.tensor([loss_sum, tokens, nbytes], dtype=torch.float64, device=device)
 
-    def add(self, loss_sum: float, tokens: int, nbytes: int = 0) -> None:
-        self.loss_sum += loss_sum
-        self.tokens += tokens
-        self.nbytes += nbytes
+    def add(self, loss_sum: Tensor | float, tokens: Tensor | int, nbytes: Tensor | int = 0) -> None:
+        self.sums += torch.stack([torch.as_tensor(x, dtype=torch.float64, device=self.sums.device)
+                                  for x in (loss_sum, tokens, nbytes)])
+
+    def add_batch(self, mean_loss: Tensor, targets: Tensor, piece_bytes: Tensor | None = None) -> None:
+        """One scored batch: its mean loss over `targets`, and (with `piece_bytes`, bytes per token id, on the
+        targets' device) the UTF-8 bytes those targets stand for."""
+        nbytes = piece_bytes[targets].sum() if piece_bytes is not None else 0
+        self.add(mean_loss.detach().double() * targets.numel(), targets.numel(), nbytes)
+
+    @staticmethod
+    def reduce_all(totals: list[LossTotals], reduce: Callable[[Tensor], Tensor]) -> list[LossTotals]:
+        """The totals of every set summed over ranks by `reduce` (e.g. the strategy's sum), in one call."""
+        summed = reduce(torch.stack([t.sums for t in totals]))
+        out = []
+        for row in summed:
+            reduced = LossTotals(device=row.device)
+            reduced.sums = row.clone()
+            out.append(reduced)
+        return out
+
+    @property
+    def tokens(self) -> int:
+        return int(self.sums[1].item())
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.sums[2].item())
 
     @property
     def loss(self) -> float:
-        return self.loss_sum / max(self.tokens, 1)
+        loss_sum, tokens, _ = self.sums.tolist()
+        return loss_sum / max(tokens, 1)
 
     def compute(self) -> dict[str, float]:
-        loss = self.loss
-        return {"loss": loss, "perplexity": perplexity(loss),
-                "bits_per_byte": bits_per_byte(loss, self.tokens, self.nbytes)}
+        """loss, perplexity and (when bytes were counted) bits_per_byte (one host sync)."""
+        loss_sum, tokens, nbytes = self.sums.tolist()
+        loss = loss_sum / max(tokens, 1)
+        out = {"loss": loss, "perplexity": perplexity(loss)}
+        if nbytes > 0:
+            out["bits_per_byte"] = bits_per_byte(loss, tokens, nbytes)
+        return out

@@ -35,6 +35,7 @@ from lm_eval.tasks import TaskManager
 from training.checkpointing.layout import write_text_atomic
 from training.eval import history
 from training.loggers import write_scalars
+from training.rundir import RunDir
 
 log = logging.getLogger(__name__)
 
@@ -135,8 +136,8 @@ def task_metrics(results: dict[str, Any], task_set: TaskSet) -> dict[str, dict[s
 
 
 def result_path(run_dir: Path, step: int) -> Path:
-    """`runs/NAME/eval/lm_eval/step-XXXXXXXX.json`: where a run's held-out results go, as the set `lm_eval`."""
-    return history.result_path(run_dir, HARNESS_DIR, step)
+    """`runs/NAME/eval/lm_eval/step-XXXXXXXX.json`: where a run's task results go, as the set `lm_eval`."""
+    return RunDir(run_dir).eval_file(HARNESS_DIR, step)
 
 
 def record(path: Path, step: int, metrics: dict[str, dict[str, float]], results: dict[str, Any],
@@ -157,14 +158,14 @@ def record(path: Path, step: int, metrics: dict[str, dict[str, float]], results:
 
 def write_csv(run_dir: Path) -> Path:
     """`eval/lm_eval.csv`: one row per step and task, from the step files, in step order (rewritten atomically)."""
+    run = RunDir(run_dir)
     buffer = io.StringIO()
     writer = csv.writer(buffer, lineterminator="\n")
     writer.writerow(["step", "task", *METRICS])
-    for step_file in sorted((Path(run_dir) / "eval" / HARNESS_DIR).glob("step-*.json")):
-        data = json.loads(step_file.read_text())
+    for data in run.eval_results(HARNESS_DIR):
         for task, values in sorted(data.get("metrics", {}).items()):
             writer.writerow([data["step"], task, *(values.get(m, "") for m in METRICS)])
-    path = Path(run_dir) / "eval" / f"{HARNESS_DIR}.csv"
+    path = run.eval_csv(HARNESS_DIR)
     write_text_atomic(path, buffer.getvalue())
     return path
 
@@ -212,21 +213,21 @@ def evaluate_run_tasks(run_dir: str | Path, tasks: list[str], num_fewshot: int |
                        include_path: str | None = None) -> dict[int, dict[str, dict[str, float]]]:
     """Every complete checkpoint of `run_dir` not yet scored on these tasks with the same settings (by the loop
     or an earlier call), in step order; returns {step: metrics} of the new ones."""
-    from training.checkpointing.layout import checkpoints_dir, complete_checkpoints, read_manifest
+    from training.checkpointing.layout import Manifest, checkpoints_dir
     from training.checkpointing.load import CheckpointError
 
-    run_dir = Path(run_dir)
-    checkpoints = complete_checkpoints(run_dir)
+    run = RunDir(run_dir)
+    checkpoints = run.checkpoints()
     if not checkpoints:
         raise CheckpointError(f"'{run_dir}' holds no complete checkpoint (none in {checkpoints_dir(run_dir)}); "
                               "train it first, or pass one checkpoint directory")
     task_set = TaskSet.load(tasks, num_fewshot, limit, include_path)
     new = {}
     for ckpt in checkpoints:
-        step = int(read_manifest(ckpt)["step"])
+        step = Manifest.read(ckpt).step
         if history.scored_with(result_path(run_dir, step), task_set.settings()):
             log.info("%s: tasks already scored with these settings, skipped", ckpt.name)
             continue
         new[step] = run_tasks(ckpt, tasks, batch_size=batch_size, device=device, task_set=task_set)["metrics"]
-    log.info("results: %s and %s/", run_dir / "eval" / f"{HARNESS_DIR}.csv", run_dir / "eval" / HARNESS_DIR)
+    log.info("results: %s and %s/", run.eval_csv(HARNESS_DIR), run.eval_dir / HARNESS_DIR)
     return new

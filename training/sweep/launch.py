@@ -21,8 +21,9 @@ from typing import Any
 
 from training.cli_checks import CONFIG_HASHES_ENV
 from training.errors import UserError
+from training.rundir import RUN_RECORD, RunDir
 from training.sweep.spec import Run, Spec, load_spec
-from training.sweep.state import LOG_FILE, RUN_RECORD, progress, read_json, run_status, write_json
+from training.sweep.state import LOG_FILE, run_status, write_json
 
 # What a run's log says when normlab's guard stopped it on a non-finite loss or gradient (callbacks/guard.py).
 DIVERGED_MARK = "NonFiniteError"
@@ -44,8 +45,8 @@ def check_unchanged(spec: Spec, runs: list[Run]) -> None:
     hashes = config_hashes(spec)
     for run in runs:
         run_dir = spec.sweep_dir / run.rel
-        record = read_json(run_dir / RUN_RECORD)
-        if record is None or (progress(run_dir)[0] == 0 and run_status(run_dir)[0] != "finished"):
+        record = RunDir(run_dir).record
+        if record is None or (RunDir(run_dir).progress()[0] == 0 and run_status(run_dir)[0] != "finished"):
             continue  # nothing trained yet: the new spec simply applies
         old, new = identity(record.get("command", [])[4:]), identity(run.fit_args)
         changed = [a for a in new if a not in old] + [f"(dropped {a})" for a in old if a not in new]
@@ -101,10 +102,8 @@ def attempt_outcome(returncode: int, run_dir: Path, log_from: int) -> tuple[str,
     divergence (normlab's guard) from any other failure."""
     if returncode == -signal.SIGTERM:
         return "pending", None  # stopped before its SIGTERM handler was in place (still starting): interrupted
-    if returncode == 0:
-        step, max_steps = progress(run_dir)
-        done = max_steps is None or max_steps <= 0 or step >= max_steps
-        return ("finished" if done else "pending"), None  # exit 0 short of max_steps: stopped by a signal
+    if returncode == 0:  # finished, unless its newest checkpoint is short of max_steps: stopped by a signal
+        return ("pending" if RunDir(run_dir).reached_max_steps() is False else "finished"), None
     try:
         with open(run_dir / LOG_FILE, "rb") as f:
             f.seek(log_from)
@@ -129,7 +128,7 @@ def train(spec: Spec, run: Run, env: dict[str, str] | None = None,
     run_dir.mkdir(parents=True, exist_ok=True)
     log_path = run_dir / LOG_FILE
     log_from = log_path.stat().st_size if log_path.exists() else 0
-    previous = read_json(run_dir / RUN_RECORD) or {}
+    previous = RunDir(run_dir).record or {}
     hashes = config_hashes(spec) if hashes is None else hashes
     base = {"command": run.command, "config_hashes": hashes, "attempts": previous.get("attempts", 0) + 1}
     with open(log_path, "ab") as log:

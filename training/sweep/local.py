@@ -27,10 +27,11 @@ from collections.abc import Callable
 from typing import Any
 
 from training.errors import UserError
+from training.rundir import RunDir
 from training.sweep import progress
 from training.sweep.launch import Snapshot, train
 from training.sweep.spec import Run, Spec
-from training.sweep.state import LOG_FILE, RUN_RECORD, read_json
+from training.sweep.state import LOG_FILE
 
 POLL_SECONDS = 2.0  # how often running runs are looked at for their start-up and checkpoints
 
@@ -173,7 +174,7 @@ class LocalExecutor:
             self.on_change()
             self.progress.ended(run, status)
             if status in ("failed", "diverged"):
-                record = read_json(self.spec.sweep_dir / run.rel / RUN_RECORD) or {}
+                record = RunDir(self.spec.sweep_dir / run.rel).record or {}
                 log.warning("%s %s: %s (log: %s)", run.rel, status, record.get("error"),
                             self.spec.sweep_dir / run.rel / LOG_FILE)
 

@@ -2,7 +2,7 @@
 directories alone — the same for `normlab sweep --status` (any time, any process) and for the lines a local
 sweep prints as its runs start, come up, reach a checkpoint and end.
 
-A run's step is its newest complete checkpoint's (state.progress): between checkpoints it does not move. Its time
+A run's step is its newest complete checkpoint's (RunDir.progress): between checkpoints it does not move. Its time
 is that of its last attempt (sweep-run.json: started, ended). The ETA schedules what is left on the sweep's
 parallel slots: each running run ends after the time its step fraction projects (or the mean finished run's time
 before its first checkpoint), then each pending run takes the mean time of the finished runs; before anything
@@ -19,8 +19,9 @@ from typing import Any
 import yaml
 
 from training.checkpointing.layout import CONFIG_FILE
+from training.rundir import RunDir
 from training.sweep.spec import Run, Spec
-from training.sweep.state import progress, run_status
+from training.sweep.state import run_status
 
 
 @dataclass(frozen=True)
@@ -56,7 +57,7 @@ class RunView:
 def view(spec: Spec, run: Run) -> RunView:
     run_dir = spec.sweep_dir / run.rel
     status, step, record = run_status(run_dir)
-    max_steps = progress(run_dir)[1] or _max_steps(run_dir)
+    max_steps = RunDir(run_dir).progress()[1] or _max_steps(run_dir)
     record = record or {}
     up = start_up(run_dir, record) if status == "running" else None
     return RunView(run.rel, status, step, max_steps, record.get("started"), record.get("ended"), up)

@@ -17,9 +17,10 @@ from typing import Any
 
 from data.atomic import write_text_atomic
 from training.errors import UserError
+from training.rundir import RunDir
 from training.sweep import plots
 from training.sweep.analysis import cells_of, lr_groups
-from training.sweep.results import RunResult, plain_tags, read_run, result
+from training.sweep.results import RunResult, plain_tags, result
 from training.sweep.spec import QUESTIONS
 from training.sweep.tables import tables, where
 
@@ -89,7 +90,7 @@ def check(results: Sequence[RunResult], sweep: dict[str, Any], source: str = "")
         raise UserError(f"{at}nothing to report yet — no run has finished ({statuses}); run the sweep first")
     metric = sweep["metric"]
     if not any(metric in r.curves for r in included) and not all(r.outcome == "diverged" for r in included):
-        logged = plain_tags(t for r in included if r.curves for t in read_run(r.run_dir)["scalars"])
+        logged = plain_tags(t for r in included if r.curves for t in RunDir(r.run_dir).scalars)
         raise UserError(f"{at}metric {metric!r} is logged by none of the {len(included)} runs that finished or "
                         f"diverged; choose a scalar tag they log, e.g. {', '.join(logged[:12])}")
     baseline = sweep.get("baseline")

@@ -45,11 +45,12 @@ from training import cluster
 from training.checkpointing.manifest import write_text_atomic
 from training.cluster import LOST_RANK, read_requeues
 from training.errors import UserError
+from training.rundir import RunDir
 from training.signals import WARNING_SIGNALS
 from training.sweep.launch import config_hashes, identity, train
 from training.sweep.runner import claimed, status_table
 from training.sweep.spec import Run, Spec, load_spec
-from training.sweep.state import LOG_FILE, RUN_RECORD, progress, read_json, write_json, write_state
+from training.sweep.state import LOG_FILE, write_json, write_state
 
 log = logging.getLogger("training.sweep.slurm")  # also when run as __main__ (the array task)
 
@@ -236,11 +237,11 @@ def task_main(argv: list[str]) -> int:
     write_state(spec, runs)
     restart = int(os.environ.get("SLURM_RESTART_COUNT", "0"))
     log.info("%s: %s (restart %d)", run.rel, status, restart)
-    record = read_json(run_dir / RUN_RECORD) or {}
+    record = RunDir(run_dir).record or {}
     already = any(r.get("restart") == restart for r in read_requeues(run_dir))  # (the fit's own requeue)
     if status == "failed" and not task.received and not already and lost_rank(record.get("exit_code", 0), run_dir,
                                                                                  log_from):
-        step = progress(run_dir)[0]
+        step = RunDir(run_dir).progress()[0]
         if cluster.requeue(run_dir, step, "a rank was lost", max_requeues):
             return 0
     return 0 if status in ("finished", "diverged", "pending") else 1

@@ -1,15 +1,15 @@
 """The sweep's state: rebuilt from the run directories, written to `<sweep>/sweep.json`.
 
-Nothing here is trusted that a `kill -9` could leave stale. A run's facts live in its own directory:
+Nothing here is trusted that a `kill -9` could leave stale. A run's facts live in its own directory, read through
+`training.rundir.RunDir`:
 - its complete checkpoints (atomic, training/checkpointing/layout.py): the step it reached, and, from the
   checkpoint's resolved `config.yaml`, the `trainer.max_steps` it trains to;
 - `sweep-run.json`, written atomically by whoever trains it (training/sweep/launch.py): the exact command, the
   hashes of its `-c` files, and the outcome of its last attempt (running with a pid and host, finished,
   diverged, failed).
-A run is `running` while the recorded process lives (on this host also past its last checkpoint, while it
-validates and exits), `finished` once a complete checkpoint has reached max_steps (or its last attempt exited
-finished), `diverged` / `failed` as its last attempt ended, and `pending` otherwise (never started, or
-interrupted: the next sweep resumes it from its newest checkpoint).
+Its status is `RunDir.status` (the definition `normlab compare` uses too), with liveness checked here: `running`
+while the recorded process lives (on this host also past its last checkpoint, while it validates and exits),
+`pending` when it died (never started, or interrupted: the next sweep resumes it from its newest checkpoint).
 
 `sweep.json` (the interface with the report, training/sweep/report.py) is a summary of these facts, rewritten
 atomically under a file lock by the local runner and by every Slurm task on each change. It is written before any
@@ -30,23 +30,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-from training.checkpointing.layout import CONFIG_FILE, complete_checkpoints, read_manifest, write_text_atomic
+from training.checkpointing.layout import write_text_atomic
+from training.rundir import RunDir
 from training.sweep.spec import Run, Spec
 
 STATE_FILE = "sweep.json"
-RUN_RECORD = "sweep-run.json"
 LOG_FILE = "fit.log"
-STATUSES = ("pending", "running", "finished", "diverged", "failed")
-
-
-def read_json(path: Path) -> dict[str, Any] | None:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) else None
 
 
 def write_json(path: Path, data: dict[str, Any]) -> None:
@@ -71,23 +60,7 @@ def locked(path: Path, blocking: bool = True) -> Iterator[bool]:
         os.close(fd)
 
 
-def progress(run_dir: Path) -> tuple[int, int | None]:
-    """(step of the newest complete checkpoint or 0, the max_steps that checkpoint's config trains to)."""
-    found = complete_checkpoints(run_dir)
-    if not found:
-        return 0, None
-    step = read_manifest(found[-1])["step"]
-    try:
-        # libyaml's loader when present: this runs for every run on every state change
-        loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
-        config = yaml.load((found[-1] / CONFIG_FILE).read_text(), Loader=loader) or {}
-        max_steps = int((config.get("trainer") or {}).get("max_steps"))
-    except (OSError, TypeError, ValueError, yaml.YAMLError):
-        max_steps = None
-    return step, max_steps
-
-
-def _alive(record: dict[str, Any]) -> bool:
+def alive(record: dict[str, Any]) -> bool:
     """Whether the recorded attempt's process still runs (on another host: whether Slurm still lists its job). A
     zombie (a killed run whose parent died too, left unreaped) or a reused pid running something else is not."""
     if record.get("host") != socket.gethostname():
@@ -124,33 +97,8 @@ def _slurm_job_alive(job: str | None) -> bool:
 
 def run_status(run_dir: Path) -> tuple[str, int, dict[str, Any] | None]:
     """(status, step, record) of one run, from its directory alone."""
-    record = read_json(run_dir / RUN_RECORD)
-    step, max_steps = progress(run_dir)
-    outcome = (record or {}).get("status")
-    reached = max_steps is not None and max_steps > 0 and step >= max_steps
-    # A live process on this host is running, also past its last checkpoint (while it validates and exits); one
-    # elsewhere only until its last checkpoint (squeue, its evidence, may be missing).
-    if outcome == "running" and (not reached or record.get("host") == socket.gethostname()) and _alive(record):
-        return "running", step, record
-    if reached or outcome == "finished":
-        return "finished", step, record
-    if outcome in ("diverged", "failed"):
-        return outcome, step, record
-    return "pending", step, record
-
-
-def last_metric(run_dir: Path, tag: str) -> float | None:
-    """The last logged value of `tag` in the run's TensorBoard events (None if never logged)."""
-    if not list(run_dir.glob("events.out.tfevents.*")):
-        return None
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    acc = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})
-    acc.Reload()
-    if tag not in acc.Tags()["scalars"]:
-        return None
-    events = acc.Scalars(tag)
-    return float(max(events, key=lambda e: (e.step, e.wall_time)).value) if events else None
+    run = RunDir(run_dir)
+    return run.status(alive=alive), run.progress()[0], run.record
 
 
 def summary(spec: Spec, runs: list[Run], with_metric: bool = False) -> dict[str, Any]:
@@ -162,7 +110,7 @@ def summary(spec: Spec, runs: list[Run], with_metric: bool = False) -> dict[str,
         entry = {"cell": run.cell, "params": run.params, "seed": run.seed, "run_dir": run.rel, "status": status,
                  "step": step, "command": run.command}
         if with_metric:
-            entry["metric"] = last_metric(run_dir, spec.metric)
+            entry["metric"] = RunDir(run_dir).last(spec.metric)
         entries.append(entry)
     return {"name": spec.name, "spec_path": str(spec.path.absolute()), "metric": spec.metric, "mode": spec.mode,
             "baseline": spec.baseline, "margin": spec.margin, "lr_key": spec.lr_key, "axes": spec.axes,
@@ -200,8 +148,11 @@ def sweep_run_of(run_dir: Path) -> SweepRun | None:
     """The sweep `run_dir` is a run of (its `sweep.json` is in a directory above and lists it), or None."""
     run_dir = Path(run_dir).absolute()
     for parent in run_dir.parents:
-        state = read_json(parent / STATE_FILE)
-        if state is None:
+        try:  # (a sweep.json that cannot be read makes no run of it: the sweep rewrites it whole)
+            state = json.loads((parent / STATE_FILE).read_text())
+        except (OSError, ValueError):
+            continue
+        if not isinstance(state, dict):
             continue
         rel = run_dir.relative_to(parent).as_posix()
         runs = state.get("runs") or []

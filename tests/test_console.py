@@ -143,10 +143,11 @@ def test_filters_are_scoped_and_debug_shows_everything(monkeypatch):
     """Each filter names a category and the emitting module (never a blanket ignore); NORMLAB_DEBUG=1 adds none."""
     import warnings
 
-    from training.console import quiet_third_party
+    from training.console import WARNINGS, quiet_third_party
     from training.errors import DEBUG_ENV
 
     with warnings.catch_warnings():
+        warnings.resetwarnings()  # (earlier in-process commands of this test session installed the filters)
         monkeypatch.setenv(DEBUG_ENV, "1")
         quiet_third_party()
         assert not any(f[0] == "ignore" and f[3] is not None and "lightning" in f[3].pattern for f in warnings.filters)
@@ -154,7 +155,7 @@ def test_filters_are_scoped_and_debug_shows_everything(monkeypatch):
         quiet_third_party()
         ours = [f for f in warnings.filters if f[0] == "ignore" and f[3] is not None and f[1] is not None
                 and f[3].pattern.startswith(("lightning", "torch"))]
-        assert len(ours) == 4 and all(f[2] is not Warning for f in ours)
+        assert len(ours) == len(WARNINGS) and all(f[2] is not Warning for f in ours)
 
 
 def test_closing_lines_continue_a_stopped_run_as_it_is(tmp_path):

@@ -25,7 +25,6 @@ import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, NoReturn
-from unittest import mock
 
 from training import signals
 from training.console import quiet_third_party
@@ -150,8 +149,12 @@ def usage_errors_as_user_errors(command: str) -> Iterator[None]:
     def error(_parser: argparse.ArgumentParser, message: str) -> NoReturn:
         raise UserError(f"{message} (normlab {command} --help lists the options)")
 
-    with mock.patch.object(argparse.ArgumentParser, "error", error):
+    original = argparse.ArgumentParser.error  # (argparse's own exit_on_error=False misses missing arguments)
+    argparse.ArgumentParser.error = error
+    try:
         yield
+    finally:
+        argparse.ArgumentParser.error = original
 
 
 def check_flag_style(args: list[str]) -> None:

@@ -162,6 +162,10 @@ PATCHES: dict[str, Patch] = {p.target: p for p in [
           "torch", ">=2.6"),
     Patch("torch.distributed.distributed_c10d:_world",
           "_world.pg_map lists every process group of this process, to give each the timeout", "torch", ">=2.6"),
+    Patch("torch.utils.tensorboard.writer:SummaryWriter._get_file_writer",
+          "a sweep run's HParams session (the experiment, its start and end summaries) goes into the run's own event "
+          "file, as Lightning's TensorBoardLogger.log_hyperparams writes its own (training/loggers.py); add_hparams "
+          "would start another run directory", "torch", ">=2.6"),
     # -- the command line and data ------------------------------------------------------------------------------
     Patch("lightning.pytorch.cli:LightningCLI._parser",
           "the running subcommand's parser, for its defaults: `fit --init_from` takes the model fields left at their "

@@ -31,6 +31,10 @@ WARNINGS: tuple[tuple[type[Warning], str, str, str], ...] = (
     # the deepspeed launcher and a sweep's local executor start their processes themselves: the advice is wrong.
     (UserWarning, r"The `srun` command is available on your system but is not used",
      r"lightning\.fabric\.plugins\.environments\.slurm", "wrong for normlab's launchers"),
+    # `normlab.cli.main(argv)` (an API: the tests, scripts) hands LightningCLI its own arguments beside the
+    # process's sys.argv; the advice is for scripts that call LightningCLI directly. `normlab fit` passes none.
+    (UserWarning, r"LightningCLI's args parameter is intended", r"lightning\.pytorch\.cli",
+     "normlab's main(argv) passes its arguments on purpose"),
     # DeepSpeed's ZeRO collectives call torch.distributed.all_gather_into_tensor, deprecated in torch 2.10+.
     (FutureWarning, r"`torch\.distributed\.all_gather_into_tensor` is deprecated", r"torch\.distributed\.c10d_logger",
      "DeepSpeed internals"),

@@ -41,6 +41,7 @@ from lightning.pytorch.loggers import CSVLogger, Logger, MLFlowLogger, TensorBoa
 from lightning.pytorch.utilities import rank_zero_only
 
 from training.checkpointing.layout import write_text_atomic
+from training.compat import require
 from training.errors import UserError
 from training.sweep.spec import format_value
 from training.sweep.state import SweepRun, locked, sweep_run_of
@@ -69,6 +70,7 @@ class SweepTensorBoardLogger(TensorBoardLogger):
     def __init__(self, sweep: SweepRun, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.sweep = sweep
+        self._session_open = False  # the HParams session start is written (its end follows on success)
 
     def _summaries(self) -> tuple[Any, Any, Any]:
         from torch.utils.tensorboard.summary import hparams
@@ -85,13 +87,15 @@ class SweepTensorBoardLogger(TensorBoardLogger):
     def log_hyperparams(self, params: Any, metrics: Any = None, step: int | None = None) -> None:
         super().log_hyperparams(params, metrics, step)
         experiment, session_start, _ = self._summaries()
+        require("torch.utils.tensorboard.writer:SummaryWriter._get_file_writer")
         writer = self.experiment._get_file_writer()  # as TensorBoardLogger.log_hyperparams writes its own
         writer.add_summary(experiment)
         writer.add_summary(session_start)
+        self._session_open = True
 
     @rank_zero_only
     def finalize(self, status: str) -> None:
-        if status == "success" and self._experiment is not None:
+        if status == "success" and self._session_open:
             self.experiment._get_file_writer().add_summary(self._summaries()[2])
         super().finalize(status)
 

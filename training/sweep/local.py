@@ -81,7 +81,7 @@ class Progress:
     def started(self, run: Run) -> None:
         with self.lock:
             self.live.add(run.rel)
-            self.seen[run.rel] = (None, progress.progress(self.spec.sweep_dir / run.rel)[0])
+            self.seen[run.rel] = (None, RunDir(self.spec.sweep_dir / run.rel).progress()[0])
             self._print(run, "started")
 
     def ended(self, run: Run, status: str) -> None:

@@ -144,3 +144,14 @@ def test_bad_settings_are_one_line(workdir, capsys, monkeypatch):
         assert rc == 2 and message in err, err[-2000:]
         assert "Traceback" not in err
         assert not (workdir / "runs" / "bad").exists()  # nothing written: no events file of a run that never ran
+
+
+def test_a_stop_signal_saves_the_step_and_skips_the_harness(workdir):
+    """SIGTERM (or the cluster's warning) after step 5 of 8: the step is saved and the fit exits, without scoring
+    the tasks at the step it stopped at (a time limit's warning leaves no time for the harness; the run resumes)."""
+    hooks = workdir / "sigterm.yaml"
+    hooks.write_text("trainer:\n  callbacks:\n    - class_path: tests.helpers.callbacks.SignalSelf\n"
+                     "      init_args: {step: 5}\n")
+    run = fit_with_tasks(workdir, "stopped", "-c", str(hooks))
+    assert (run / "checkpoints" / "step-00000005" / "manifest.json").is_file()
+    assert sorted(p.name for p in (run / "eval" / "lm_eval").glob("step-*.json")) == ["step-00000004.json"]

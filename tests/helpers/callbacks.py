@@ -179,3 +179,14 @@ class SlowSteps(Callback):
 
     def on_train_batch_end(self, trainer, pl_module, *args) -> None:
         time.sleep(self.seconds)
+
+
+class SignalSelf(Callback):
+    """Sends `signal` (a name: TERM, USR1) to this process after optimizer step `step`, as `kill` or Slurm would."""
+
+    def __init__(self, step: int, signal: str = "TERM") -> None:
+        self.step, self.signal = step, signal
+
+    def on_train_batch_end(self, trainer, pl_module, *args) -> None:
+        if trainer.global_step == self.step:
+            os.kill(os.getpid(), getattr(signal, f"SIG{self.signal}"))

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 
+from training import signals
 from training.errors import UserError
 from training.loggers import log_scalars
 
@@ -80,6 +81,11 @@ class DownstreamEval(Callback):
         if not self.enabled or step == self._last_step or step == 0:  # once per update, after it
             return
         self._last_step = step
+        stop = signals.active()
+        if stop is not None and stop.stopped is not None:
+            # A stop signal: the step is saved and the run resumes later; the harness would spend the time a
+            # cluster's warning leaves before the job is killed (the same decision on every rank).
+            return
         if step % self.every_n_steps == 0 or 0 < trainer.max_steps <= step:
             self.evaluate(trainer, pl_module, step)
 

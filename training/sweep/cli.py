@@ -16,7 +16,8 @@ import sys
 from pathlib import Path
 
 from training.errors import UserError
-from training.sweep.runner import dry_run, run_local, status_table
+from training.sweep.executors import EXECUTORS
+from training.sweep.runner import dry_run, status_table
 from training.sweep.spec import load_spec
 
 log = logging.getLogger(__name__)
@@ -33,8 +34,9 @@ def parser() -> argparse.ArgumentParser:
     what.add_argument("--report", action="store_true", help="write the statistics report of the sweep")
     what.add_argument("--plan", action="store_true",
                       help="before the runs: power, MDE and the seeds the spec's question needs (from a pilot)")
-    p.add_argument("--executor", choices=("local", "slurm"), default="local",
-                   help="local (default): subprocesses on this machine; slurm: one job array")
+    p.add_argument("--executor", choices=tuple(EXECUTORS), default="local",
+                   help="local (default): subprocesses on this machine; slurm: one job array "
+                        "(training/sweep/executors.py)")
     p.add_argument("--max_parallel", type=int, default=1,
                    help="local: runs at once, each on its own share of the CPUs/GPUs (default 1); "
                         "slurm: the array's concurrency limit (default: the spec's slurm.max_parallel)")
@@ -87,9 +89,4 @@ def main(argv: list[str] | None = None) -> int:
 
         sys.stdout.write(plan(spec, args.pilot, args.sd))
         return 0
-    if args.executor == "slurm":
-        from training.sweep.slurm import submit
-
-        return submit(spec, runs, args.max_parallel if args.max_parallel > 1 else None, wait=args.wait)
-    state = run_local(spec, runs, args.max_parallel)
-    return 0 if all(r["status"] in ("finished", "diverged") for r in state["runs"]) else 1
+    return EXECUTORS[args.executor].launch(spec, runs, args.max_parallel, args.wait)

@@ -117,13 +117,14 @@ def attempt_outcome(returncode: int, run_dir: Path, log_from: int) -> tuple[str,
 
 def train(spec: Spec, run: Run, env: dict[str, str] | None = None,
           started: Callable[[subprocess.Popen], Any] | None = None, prefix: list[str] | None = None,
-          extra: list[str] | None = None, hashes: dict[str, str] | None = None) -> str:
+          extra: list[str] | None = None, hashes: dict[str, str] | None = None, executor: str = "local") -> str:
     """Train `run` to its end or to its first stop, recording it; returns its status. `started` is called with
     the fit process (the executors keep it to forward signals); `prefix` runs the command through a launcher
     (Slurm's `srun`); `extra` are fit arguments of the executor's that do not change what the run computes
     (its `cluster.*` settings), added after the run's own and not part of its recorded command. `hashes`: the
     `-c` files' sha256 the run must train with (default: as they are now); they are recorded, and the fit refuses
-    a file that no longer has its hash (CONFIG_HASHES_ENV)."""
+    a file that no longer has its hash (CONFIG_HASHES_ENV). `executor`: the name the attempt is recorded with, so
+    that its liveness is asked of that executor (executors.py)."""
     run_dir = spec.sweep_dir / run.rel
     run_dir.mkdir(parents=True, exist_ok=True)
     log_path = run_dir / LOG_FILE
@@ -140,8 +141,8 @@ def train(spec: Spec, run: Run, env: dict[str, str] | None = None,
                                 stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 env={**os.environ, **(env or {}), CONFIG_HASHES_ENV: json.dumps(hashes)})
     base["started"] = time.time()
-    write_json(run_dir / RUN_RECORD, {**base, "status": "running", "pid": proc.pid, "host": socket.gethostname(),
-                                      "slurm_job": os.environ.get("SLURM_JOB_ID")})
+    write_json(run_dir / RUN_RECORD, {**base, "status": "running", "executor": executor, "pid": proc.pid,
+                                      "host": socket.gethostname(), "slurm_job": os.environ.get("SLURM_JOB_ID")})
     if started is not None:
         started(proc)
     returncode = proc.wait()

@@ -233,7 +233,8 @@ def task_main(argv: list[str]) -> int:
     log_from = log_path.stat().st_size if log_path.exists() else 0
     on_change = lambda *_: write_state(spec, runs)  # noqa: E731
     status = train(spec, run, started=lambda p: (task.started(p), on_change()), prefix=prefix, extra=cluster_args,
-                   hashes=None if submitted is None else submitted["config_hashes"])  # (the fit checks them again)
+                   hashes=None if submitted is None else submitted["config_hashes"],  # (the fit checks them again)
+                   executor="slurm")
     write_state(spec, runs)
     restart = int(os.environ.get("SLURM_RESTART_COUNT", "0"))
     log.info("%s: %s (restart %d)", run.rel, status, restart)

@@ -21,9 +21,6 @@ from __future__ import annotations
 import fcntl
 import json
 import os
-import shutil
-import socket
-import subprocess
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -32,6 +29,7 @@ from typing import Any
 
 from training.checkpointing.layout import write_text_atomic
 from training.rundir import RunDir
+from training.sweep.executors import executor_of
 from training.sweep.spec import Run, Spec
 
 STATE_FILE = "sweep.json"
@@ -61,38 +59,8 @@ def locked(path: Path, blocking: bool = True) -> Iterator[bool]:
 
 
 def alive(record: dict[str, Any]) -> bool:
-    """Whether the recorded attempt's process still runs (on another host: whether Slurm still lists its job). A
-    zombie (a killed run whose parent died too, left unreaped) or a reused pid running something else is not."""
-    if record.get("host") != socket.gethostname():
-        return _slurm_job_alive(record.get("slurm_job"))
-    pid = record.get("pid")
-    proc = Path(f"/proc/{pid}")
-    if not isinstance(pid, int) or pid <= 0:
-        return False
-    if not Path("/proc/self").exists():  # no procfs: ask the kernel whether the pid exists
-        try:
-            os.kill(pid, 0)
-        except OSError:
-            return False
-        return True
-    try:
-        state = (proc / "stat").read_text().rsplit(")", 1)[1].split()[0]
-        cmdline = (proc / "cmdline").read_bytes().split(b"\0")
-    except (OSError, IndexError):
-        return False
-    command = [a.encode() for a in record.get("command", [])[1:]]
-    return state not in ("Z", "X") and all(a in cmdline for a in command)
-
-
-def _slurm_job_alive(job: str | None) -> bool:
-    """Whether Slurm still lists the job (pending, running, requeued); without a job id or squeue, trust it."""
-    if not job or shutil.which("squeue") is None:
-        return True
-    try:
-        out = subprocess.run(["squeue", "-h", "-j", str(job), "-o", "%T"], capture_output=True, text=True, timeout=60)
-    except (OSError, subprocess.SubprocessError):
-        return True
-    return out.returncode != 0 or bool(out.stdout.strip())  # an error (controller down) is no evidence of death
+    """Whether the recorded attempt still runs, as the executor that recorded it sees it (executors.py)."""
+    return executor_of(record).alive(record)
 
 
 def run_status(run_dir: Path) -> tuple[str, int, dict[str, Any] | None]:

@@ -156,7 +156,11 @@ def requeue(run_dir: Path, step: int, reason: str, max_requeues: int) -> bool:
     write_text_atomic(Path(run_dir) / REQUEUE_RECORD, json.dumps(history, indent=1) + "\n")
     # Logged first: a successful requeue ends this job at once (Slurm signals its processes).
     log.info("%s at step %d: requeueing job %s (restart %d)", reason, step, job, len(history))
-    out = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True)
+    try:
+        out = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True)
+    except FileNotFoundError:
+        log.error("scontrol is not on the PATH: job %s not requeued (resume with --ckpt_path last)", job)
+        return False
     if out.returncode != 0:
         log.error("scontrol requeue %s failed: %s", job, " ".join(out.stderr.split()))
         return False

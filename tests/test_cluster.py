@@ -1,0 +1,59 @@
+"""training/cluster.py without a cluster: the requeue bound and the `cluster.*` settings. (What they do on a real
+two-node Slurm: tests/test_slurm_cluster.py.)"""
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+
+from training.cluster import REQUEUE_RECORD, ClusterConfig, requeue
+
+
+def history(*steps: int) -> str:
+    return json.dumps([{"job": "7", "restart": i, "step": s, "reason": "warned by SIGUSR1", "time": 0.0}
+                       for i, s in enumerate(steps)])
+
+
+def test_a_run_requeued_max_requeues_times_without_progress_is_not_requeued_again(tmp_path, monkeypatch, caplog):
+    """Three requeues in a row that all resumed from step 8 and got no further: a fourth is refused in one line
+    naming the run and the step, and nothing is asked of Slurm (the record stays as it was)."""
+    monkeypatch.setenv("SLURM_JOB_ID", "7")
+    record = tmp_path / REQUEUE_RECORD
+    record.write_text(history(4, 8, 8, 8))
+    with caplog.at_level(logging.ERROR, logger="training.cluster"):
+        assert not requeue(tmp_path, 8, "warned by SIGUSR1", max_requeues=3)
+    assert record.read_text() == history(4, 8, 8, 8)
+    assert [r.getMessage() for r in caplog.records] == [
+        f"{tmp_path}: requeued 3 times in a row without getting past step 8; not requeued again (the run's log "
+        "says why; cluster.max_requeues allows more)"]
+
+
+def test_progress_resets_the_count(tmp_path, monkeypatch, caplog):
+    """The same history, but the run got past step 8 since: the requeue is recorded and asked of Slurm (here
+    there is no `scontrol`: the call says so in one line and returns False)."""
+    monkeypatch.setenv("SLURM_JOB_ID", "7")
+    monkeypatch.setenv("PATH", str(tmp_path))  # (no scontrol there)
+    record = tmp_path / REQUEUE_RECORD
+    record.write_text(history(4, 8, 8, 8))
+    with caplog.at_level(logging.ERROR, logger="training.cluster"):
+        assert not requeue(tmp_path, 12, "warned by SIGUSR1", max_requeues=3)
+    assert [r["step"] for r in json.loads(record.read_text())] == [4, 8, 8, 8, 12]
+    assert [r.getMessage() for r in caplog.records] == [
+        "scontrol is not on the PATH: job 7 not requeued (resume with --ckpt_path last)"]
+
+
+def test_outside_slurm_nothing_is_requeued(tmp_path, monkeypatch):
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    assert not requeue(tmp_path, 5, "warned by SIGUSR1", max_requeues=3)
+    assert not (tmp_path / REQUEUE_RECORD).exists()
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("signal", "TERM", "cluster.signal='TERM': choose one of USR1, USR2"),
+    ("timeout_s", 0, "cluster.timeout_s=0 must be > 0"),
+    ("max_requeues", -1, "cluster.max_requeues=-1 must be >= 0"),
+])
+def test_bad_settings_name_the_field(field, value, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        ClusterConfig(**{field: value})

@@ -22,6 +22,7 @@ import yaml
 from tests.helpers.multiproc import REPO, cpu_env, free_port
 from tests.helpers.slurm import Cluster, slurm_cluster  # noqa: F401  (the session fixture)
 from training.checkpointing.layout import complete_checkpoints, step_of
+from training.checkpointing.safe import safe_torch_load
 from training.cluster import REQUEUE_RECORD
 
 pytestmark = pytest.mark.slow
@@ -85,7 +86,7 @@ def checkpoint_tensors(ckpt_dir: Path) -> dict[str, torch.Tensor]:
                 walk(v, f"{key}[{i}]")
 
     for shard in sorted([*(ckpt_dir / "checkpoint").glob("*.pt"), *ckpt_dir.glob("model.ckpt")]):
-        state = torch.load(shard, map_location="cpu", weights_only=False)  # (files this test wrote)
+        state = safe_torch_load(shard)  # weights-only, DeepSpeed's shards included
         if shard.name == "model.ckpt":
             state = {k: state[k] for k in ("state_dict", "optimizer_states")}
         walk(state, shard.name)

@@ -67,13 +67,6 @@ class StepCheckpoint(Callback):
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if stage != "fit":
             return
-        # normlab's stop handlers, not Lightning's (see training/signals.py): in place before Lightning would
-        # install its own, which it does after the setup hooks.
-        own_signals(trainer)
-        self._signals = signals.active()
-        self._own_handlers = self._signals is None
-        if self._own_handlers:
-            self._signals = signals.install()
         # The processes are connected now: every rank must resume the same checkpoint (each resolved `last` on
         # its own, see `resolve`), and from here on only rank 0 decides about the checkpoints directory.
         mine = self.resume_from
@@ -81,6 +74,13 @@ class StepCheckpoint(Callback):
         if mine != theirs:
             raise CheckpointError(f"rank {trainer.global_rank} resolved the checkpoint {mine}, rank 0 {theirs}: "
                                   "the ranks do not see the same checkpoints directory (use shared storage)")
+        # normlab's stop handlers, not Lightning's (see training/signals.py): in place before Lightning would
+        # install its own, which it does after the setup hooks.
+        own_signals(trainer)
+        self._signals = signals.active()
+        self._own_handlers = self._signals is None
+        if self._own_handlers:
+            self._signals = signals.install()
         if trainer.is_global_zero:
             self.record = dataclasses.replace(self.record, git_revision=git_revision())
             for path in incomplete_checkpoints(trainer.default_root_dir):

@@ -8,13 +8,19 @@ lists the registry's names.
 
 The runs themselves are the same everywhere: `launch.train` starts `fit ... --ckpt_path=last` and records the
 attempt, with the executor's name, so any later reader asks the right executor.
+
+This module sits below the launchers: they read the runs' status (state.py), which asks `executor_of`. So an
+executor names its launcher as a module and a function, imported when a sweep launches, as a package's entry
+points are — no import of this module ever loads a launcher, and no launcher import comes back here.
 """
 from __future__ import annotations
 
+import importlib
 import os
 import shutil
 import socket
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, ClassVar, Protocol
 
@@ -64,15 +70,19 @@ def slurm_job_alive(job: str | None) -> bool:
     return out.returncode != 0 or bool(out.stdout.strip())  # an error (controller down) is no evidence of death
 
 
+def launcher(target: str) -> Callable[..., Any]:
+    """The function `target` ("package.module:function") names, imported now."""
+    module, function = target.split(":")
+    return getattr(importlib.import_module(module), function)
+
+
 class Local:
     """Subprocesses on this machine, `max_parallel` at once (training/sweep/local.py)."""
 
     name: ClassVar[str] = "local"
 
     def launch(self, spec: Spec, runs: list[Run], max_parallel: int, wait: bool) -> int:
-        from training.sweep.runner import run_local
-
-        state = run_local(spec, runs, max_parallel)
+        state = launcher("training.sweep.runner:run_local")(spec, runs, max_parallel)
         return 0 if all(r["status"] in ("finished", "diverged") for r in state["runs"]) else 1
 
     def alive(self, record: dict[str, Any]) -> bool:
@@ -86,8 +96,7 @@ class Slurm:
     name: ClassVar[str] = "slurm"
 
     def launch(self, spec: Spec, runs: list[Run], max_parallel: int, wait: bool) -> int:
-        from training.sweep.slurm import submit
-
+        submit = launcher("training.sweep.slurm:submit")
         return submit(spec, runs, max_parallel if max_parallel > 1 else None, wait=wait)
 
     def alive(self, record: dict[str, Any]) -> bool:

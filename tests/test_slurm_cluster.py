@@ -85,6 +85,8 @@ def checkpoint_tensors(ckpt_dir: Path) -> dict[str, torch.Tensor]:
             for i, v in enumerate(value):
                 walk(v, f"{key}[{i}]")
 
+    import deepspeed  # noqa: F401  (its shards' few classes are allowed once it is imported, as for every reader)
+
     for shard in sorted([*(ckpt_dir / "checkpoint").glob("*.pt"), *ckpt_dir.glob("model.ckpt")]):
         state = safe_torch_load(shard)  # weights-only, DeepSpeed's shards included
         if shard.name == "model.ckpt":

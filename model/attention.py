@@ -10,7 +10,6 @@ dense boolean mask [B, 1, T, T] (on CPU: no causal fast path, measured in script
 from __future__ import annotations
 
 import functools
-import math
 import os
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -110,7 +109,8 @@ class Attention(nn.Module):
             self.q_norm, self.k_norm = build_norm(cfg, q_dim), build_norm(cfg, kv_dim)
         self.rope = RoPE()
         self.softcap = cfg.attn_softcap
-        self.scale = attn_scale(cfg)  # None: 1/√D; μP: 1/D-like (model/mup.py)
+        # the score scale: 1/√D, or μP's √D₀/D (model/mup.py); the probes read it here, so they see this softmax
+        self.scale = attn_scale(cfg)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: LayerCache | None = None,
                 doc_mask: DocumentMask | None = None) -> torch.Tensor:
@@ -156,18 +156,17 @@ class Attention(nn.Module):
 
 
 def softcapped_attention(q_BHTD: torch.Tensor, k_BKTD: torch.Tensor, v_BKTD: torch.Tensor,
-                         mask_TS: torch.Tensor | None, cap: float, scale: float | None = None) -> torch.Tensor:
+                         mask_TS: torch.Tensor | None, cap: float, scale: float) -> torch.Tensor:
     """Causal attention with the scores soft-capped to c · tanh(s / c) before the softmax (Gemma 2).
 
     SDPA has no hook between the scores and the softmax, so this is plain math attention: it materializes the
     [B, H, T, S] scores (O(T²) memory, no flash kernel) — the price of `attn_softcap`. `mask_TS`: True where a
     query may see a key, [T, S] or [B, 1, T, S] (document masking); None means causal with T == S. `scale`: the
-    score scale (None: SDPA's 1/√D).
+    score scale (`Attention.scale`).
     """
-    H, K, D = q_BHTD.shape[1], k_BKTD.shape[1], q_BHTD.shape[-1]
+    H, K = q_BHTD.shape[1], k_BKTD.shape[1]
     k_BHSD = k_BKTD.repeat_interleave(H // K, dim=1)  # GQA: query head h reads kv head h // (H/K)
     v_BHSD = v_BKTD.repeat_interleave(H // K, dim=1)
-    scale = 1 / math.sqrt(D) if scale is None else scale  # SDPA's default
     scores = (q_BHTD @ k_BHSD.transpose(-1, -2)).float() * scale  # [B, H, T, S]
     scores = cap * torch.tanh(scores / cap)
     if mask_TS is None:

@@ -87,6 +87,9 @@ class ModelConfig:
     attn_softcap: float | None = None  # c: attention scores c·tanh(s/c) (Gemma 2); runs math attention, not SDPA
     parametrization: str = "standard"  # standard | mup: init, LR, logit and attention multipliers (model/mup.py)
     mup_base_width: int = 256  # mup: the width whose hyper-parameters transfer (multipliers are 1 there)
+    # mup: the base model's head dim D₀ (scores · √D₀/D). None: mup_base_width / n_heads (the head dim grows with
+    # the width); required with an explicit head_dim — its own value if it stays fixed as the width grows
+    mup_base_head_dim: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "dim", "n_layers", "n_heads", "max_seq_len"):
@@ -112,9 +115,10 @@ class ModelConfig:
         _check_choice("kernels", self.kernels, KERNELS)
         _check_choice("parametrization", self.parametrization, PARAMETRIZATIONS)
         _check_positive("mup_base_width", self.mup_base_width)
-        if self.parametrization == "mup" and self.mup_base_width % self.n_heads:
-            raise ValueError(f"ModelConfig.mup_base_width={self.mup_base_width} must be divisible by "
-                             f"n_heads={self.n_heads} (μP's attention scale uses the base width's head dim)")
+        if self.mup_base_head_dim is not None:
+            _check_positive("mup_base_head_dim", self.mup_base_head_dim)
+        elif self.parametrization == "mup":
+            self._check_mup_head_dim()
         if self.head_dim % 2:
             raise ValueError(f"ModelConfig.head_dim={self.head_dim} must be even for rotary embeddings")
         if self.n_heads % self.kv_heads:
@@ -129,6 +133,19 @@ class ModelConfig:
                 raise ValueError(f"ModelConfig.{name}={cap!r} must be a positive number or None (off)")
         if self.norm_offset and self.norm != "rmsnorm":
             raise ValueError("ModelConfig.norm_offset=True is only defined for norm='rmsnorm' (Gemma-style gain)")
+
+    def _check_mup_head_dim(self) -> None:
+        """μP's attention scale needs the base model's head dim; derived from the base width only when the head
+        dim is dim / n_heads (model/mup.py)."""
+        if not self.head_dim_follows_width:
+            raise ValueError(
+                f"ModelConfig.head_dim={self.head_dim} is not dim/n_heads, so under parametrization='mup' set "
+                f"mup_base_head_dim (the base model's head dim for the attention scale √D₀/D): {self.head_dim} "
+                f"if the head dim stays fixed as the width grows, or the base width's head dim if it grows with it")
+        if self.mup_base_width % self.n_heads:
+            raise ValueError(f"ModelConfig.mup_base_width={self.mup_base_width} must be divisible by "
+                             f"n_heads={self.n_heads} (μP's attention scale uses the base width's head dim; "
+                             "or set mup_base_head_dim)")
 
     def _check_rope(self) -> None:
         _check_choice("rope_type", self.rope_type, ROPE_TYPES)
@@ -147,6 +164,11 @@ class ModelConfig:
             return None
         return RopeScaling(self.rope_factor, self.rope_low_freq_factor, self.rope_high_freq_factor,
                            self.rope_original_max_seq_len)
+
+    @property
+    def head_dim_follows_width(self) -> bool:
+        """True when head_dim is dim / n_heads (the default), so it changes with dim and n_heads."""
+        return self.head_dim == self.dim // self.n_heads and not self.dim % self.n_heads
 
     @property
     def kv_heads(self) -> int:
@@ -177,8 +199,7 @@ class ModelConfig:
     def replace(self, **changes: Any) -> ModelConfig:
         """A copy with `changes`. A head_dim that was derived (dim // n_heads) is derived again when dim or
         n_heads change; one set to another width is kept."""
-        derived = self.head_dim == self.dim // self.n_heads and not self.dim % self.n_heads
-        if derived and "head_dim" not in changes and {"dim", "n_heads"} & set(changes):
+        if self.head_dim_follows_width and "head_dim" not in changes and {"dim", "n_heads"} & set(changes):
             changes["head_dim"] = None
         return dataclasses.replace(self, **changes)
 

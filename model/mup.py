@@ -13,9 +13,14 @@ multipliers" form the `mup` package ships):
 | LM head (readout)                     | logits = W h | logits = W h / m  (init σ, lr: as is)   | transformer.py  |
 | attention scores                      | q·k / √D     | q·k · √D₀ / D  (1/D; equal at the base) | attention.py    |
 
-D is the head dim and D₀ = mup_base_width / n_heads the base model's: widths are meant to grow at a fixed number
-of heads (as in the coordinate check), which grows D — where 1/D rather than 1/√D matters (q and k become
-correlated during training, so q·k grows like D, not √D). `xavier` init is already fan-based and is left as is.
+D is the head dim and D₀ the base model's (`base_head_dim`). By default the head dim grows with the width at a
+fixed number of heads (as in the coordinate check): D = dim / n_heads and D₀ = mup_base_width / n_heads — where
+1/D rather than 1/√D matters (q and k become correlated during training, so q·k grows like D, not √D). A model
+with an explicit `head_dim` (≠ dim / n_heads) must say how its head dim scales, through `mup_base_head_dim`:
+its own head_dim when the head dim stays fixed as the width grows (more heads, as in the Qwen3 family — then
+√D₀/D = 1/√D at every width, nothing grows inside a head), or the base model's head dim when it grows with the
+width. A default either way would be wrong for the other family, so the config refuses to guess.
+`xavier` init is already fan-based and is left as is.
 Muon-driven matrices keep Muon's own shape scaling (its update has a fixed spectral norm; Bernstein's spectral
 condition), so μP's 1/m LR factor applies to AdamW-driven hidden matrices only.
 """
@@ -53,11 +58,17 @@ def output_mult(cfg: ModelConfig) -> float:
     return 1.0 / width_mult(cfg)
 
 
-def attn_scale(cfg: ModelConfig) -> float | None:
-    """The attention-score scale: None (SDPA's 1/√D) under standard; √D₀/D under μP."""
+def base_head_dim(cfg: ModelConfig) -> float:
+    """D₀, the base model's head dim: `mup_base_head_dim` when given, else mup_base_width / n_heads."""
+    return cfg.mup_base_head_dim or cfg.mup_base_width / cfg.n_heads
+
+
+def attn_scale(cfg: ModelConfig) -> float:
+    """The attention-score scale s of softmax(q·k·s): 1/√D under standard, √D₀/D under μP. The one source:
+    `Attention.scale` holds it for the attention kernels and the probes (model/probes.py) read it there."""
     if cfg.parametrization != "mup":
-        return None
-    return math.sqrt(cfg.mup_base_width / cfg.n_heads) / cfg.head_dim
+        return 1.0 / math.sqrt(cfg.head_dim)
+    return math.sqrt(base_head_dim(cfg)) / cfg.head_dim
 
 
 def to_standard(model: Transformer) -> Transformer:

@@ -1,13 +1,24 @@
 """Benchmark the norm kernels.
 
-    python scripts/bench_norms.py cpu [--threads 1] [--rounds 30]
+    python scripts/bench_norms.py cpu [--threads 1] [--rounds 20] [--widths 64 128 256 512 1024] [--clock cpu]
+    python scripts/bench_norms.py cpu-candidates [--threads 1] [--rounds 30]
     python scripts/bench_norms.py gpu [--rows 32768] [--hidden 1024 2048 4096 8192]
 
-cpu: RMSNorm and LayerNorm, forward and forward+backward, fp32 and bf16, shape (8, 512, 768). Our CPU path
-(`backend="auto"`) against the eager composite, `F.rms_norm`, the `torch.compile`d composite and the native
-`F.layer_norm`. All candidates run interleaved, round after round, in one process: this machine is shared and
-its timings drift, so only ratios from one run mean anything (the order is shuffled every round). Targets: our
-RMSNorm forward+backward at least as fast as `F.layer_norm` and >= 3x faster than the eager composite.
+cpu: normlab's RMSNorm (what `kernels: auto` runs on CPU) against ATen's `F.layer_norm`, forward+backward, fp32,
+as ratios measured side by side (RMSNorm / LayerNorm; < 1: RMSNorm cheaper). Alone: the op on an input
+(batch 8, seq 256, width) for each width — width 256 is the default fit's shape (configs/default.yaml) — and
+(8, 64, 64), the study's trained shape; plain and with the residual add the pre-norm placement fuses into it
+(LayerNorm: x + r, then `F.layer_norm`). In the model: the norms' time per training step of a 2-layer Llama-style
+model (4 layers at the default fit's shape) with RMSNorm against the same model with LayerNorm, read from
+`torch.profiler` as the study's claim 21 reads it (the norm modules' forward ranges plus their backward nodes),
+at seq 64 for each width and at the default fit's shape. The two candidates alternate within each round, so load
+hits both alike; each round gives one ratio, and the table shows the median and the range over rounds. Target:
+every ratio ≤ 1.
+
+cpu-candidates: RMSNorm and LayerNorm, forward and forward+backward, fp32 and bf16, shape (8, 512, 768). Our CPU
+path (`backend="auto"`) against the eager composite, `F.rms_norm`, the `torch.compile`d composite and the native
+`F.layer_norm`. All candidates run interleaved, round after round, in one process: this machine is shared and its
+timings drift, so only ratios from one run mean anything (the order is shuffled every round).
 
 gpu: effective bandwidth = minimal bytes / time (forward 2·s bytes per element, backward 3·s, fused add 4·s;
 s = element size) in bf16 with the L2 flushed before every launch (`triton.testing.do_bench`), as a
@@ -30,7 +41,10 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
+from model import ModelConfig, Transformer  # noqa: E402
 from model.kernels import layer_norm, reference, rms_norm  # noqa: E402
+from model.norms import Norm  # noqa: E402
+from training.study.timing import NORM_BACKWARD_NODES  # noqa: E402  (what the study counts as a norm's backward)
 
 EPS = 1e-6
 
@@ -41,6 +55,104 @@ def _composite_layer_norm(x, w, b):
     mean = h.mean(-1, keepdim=True)
     h = (h - mean) * torch.rsqrt((h - mean).pow(2).mean(-1, keepdim=True) + EPS)
     return (h * w + b).to(x.dtype)
+
+
+def _ratios(a: Callable[[], object], b: Callable[[], object], rounds: int, repeats: int = 1,
+            clock: Callable[[], float] = time.perf_counter) -> list[float]:
+    """Per round, the time of `repeats` calls of a over the same for b, in an order that alternates from round
+    to round so that load drift hits both alike (after one warm-up round)."""
+    out = []
+    for r in range(rounds + 1):
+        order = (a, b) if r % 2 else (b, a)
+        times = {fn: _timed(lambda fn=fn: [fn() for _ in range(repeats)], clock) for fn in order}
+        out.append(times[a] / times[b])
+    return out[1:]
+
+
+def _alone(shape: tuple[int, ...], fused_add: bool) -> tuple[Callable, Callable]:
+    """Forward+backward of our RMSNorm and of `F.layer_norm` on one input, as the model calls them: with
+    `fused_add` the norm of x + r, both the sum and the norm taking part in the backward."""
+    gen = torch.Generator().manual_seed(0)
+    x, r, dy, dh = (torch.randn(shape, generator=gen) for _ in range(4))
+    x.requires_grad_(), r.requires_grad_()
+    w = torch.ones(shape[-1], requires_grad=True)
+
+    def rms():
+        out = rms_norm(x, w, EPS, residual=r) if fused_add else (rms_norm(x, w, EPS),)
+        torch.autograd.backward(list(out), [dy, dh][:len(out)])
+
+    def ln():
+        h = x + r if fused_add else x
+        out = (F.layer_norm(h, shape[-1:], w, None, EPS), h)[:1 + fused_add]
+        torch.autograd.backward(list(out), [dy, dh][:len(out)])
+
+    return rms, ln
+
+
+def _model_norm_seconds(cfg: ModelConfig, tokens: torch.Tensor) -> Callable[[], float]:
+    """A function that runs one training step of a model with `cfg` under `torch.profiler` and returns the
+    norms' time in it: the norm modules' forward ranges plus their backward nodes (as the study's claim 21)."""
+    torch.manual_seed(0)
+    model = Transformer(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    ranges: list = []
+
+    def enter(module, args):
+        ranges.append(torch.autograd.profiler.record_function("bench::norm_forward"))
+        ranges[-1].__enter__()
+
+    for m in model.modules():
+        if isinstance(m, Norm):
+            m.register_forward_pre_hook(enter)
+            m.register_forward_hook(lambda module, args, out: ranges.pop().__exit__(None, None, None))
+
+    def step() -> float:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            model(tokens[:, :-1], targets=tokens[:, 1:]).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return sum(e.cpu_time_total for e in prof.events() if e.name == "bench::norm_forward" or (
+            e.name.startswith("autograd::engine::evaluate_function")
+            and any(node in e.name for node in NORM_BACKWARD_NODES))) / 1e6
+
+    step()  # warm-up
+    return step
+
+
+def _model_ratios(width: int, seq: int, layers: int, rounds: int) -> list[float]:
+    def config(norm: str) -> ModelConfig:  # the default fit's model (llama preset, head dim 32), norm swapped
+        return ModelConfig.preset("llama", vocab_size=512, dim=width, n_layers=layers, n_heads=max(1, width // 32),
+                                  max_seq_len=seq, norm=norm)
+    tokens = torch.randint(0, 512, (8, seq + 1), generator=torch.Generator().manual_seed(0))
+    rms, ln = (_model_norm_seconds(config(norm), tokens) for norm in ("rmsnorm", "layernorm"))
+    out = []
+    for r in range(rounds):
+        times = {fn: fn() for fn in ((rms, ln) if r % 2 else (ln, rms))}
+        out.append(times[rms] / times[ln])
+    return out
+
+
+def bench_cpu(args: argparse.Namespace) -> None:
+    torch.set_num_threads(args.threads)
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
+    print(f"# RMSNorm / LayerNorm, forward+backward, fp32, {args.threads} thread(s), {args.rounds} rounds, "
+          f"{args.clock} clock (ops alone), torch {torch.__version__}; ratio < 1: RMSNorm cheaper")
+    print("\n| where | shape (batch, seq, width) | median ratio | range over rounds |\n|---|---|---|---|")
+
+    def row(where: str, shape: tuple[int, ...], ratios: list[float]) -> None:
+        print(f"| {where} | {shape} | {statistics.median(ratios):.2f} | {min(ratios):.2f}–{max(ratios):.2f} |",
+              flush=True)
+
+    shapes = [(8, 64, 64)] + [(8, 256, w) for w in args.widths]
+    for fused_add in (False, True):
+        for shape in shapes:
+            repeats = max(1, 2_000_000 // (shape[0] * shape[1] * shape[2]))  # ≳ 5 ms per timing
+            row("alone, with the residual add" if fused_add else "alone", shape,
+                _ratios(*_alone(shape, fused_add), args.rounds, repeats, clock))
+    model_rounds = max(3, args.rounds // 2)  # a training step per sample: fewer rounds
+    for width in args.widths:
+        row("in a 2-layer model", (8, 64, width), _model_ratios(width, 64, 2, model_rounds))
+    row("in the default fit's model (4 layers)", (8, 256, 256), _model_ratios(256, 256, 4, model_rounds))
 
 
 def _cpu_candidates() -> dict[str, dict[str, Callable]]:
@@ -69,7 +181,7 @@ def _timed(fn: Callable[[], object], clock: Callable[[], float] = time.perf_coun
     return clock() - start
 
 
-def bench_cpu(args: argparse.Namespace) -> None:
+def bench_cpu_candidates(args: argparse.Namespace) -> None:
     torch.set_num_threads(args.threads)
     # process CPU time ignores the time other jobs hold the cores (summed over threads: use it with 1 thread)
     clock = time.process_time if args.clock == "cpu" else time.perf_counter
@@ -235,11 +347,17 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="mode", required=True)
     cpu = sub.add_parser("cpu")
-    cpu.add_argument("--shape", type=int, nargs="+", default=[8, 512, 768])
+    cpu.add_argument("--widths", type=int, nargs="+", default=[64, 128, 256, 512, 1024])
     cpu.add_argument("--threads", type=int, default=torch.get_num_threads())
-    cpu.add_argument("--rounds", type=int, default=30)
+    cpu.add_argument("--rounds", type=int, default=20)
     cpu.add_argument("--clock", choices=["wall", "cpu"], default="wall",
-                     help="cpu: process CPU time, robust to other jobs on a shared machine (with --threads 1)")
+                     help="ops alone: cpu = process CPU time, robust to other jobs on a shared machine (1 thread)")
+    detail = sub.add_parser("cpu-candidates")
+    detail.add_argument("--shape", type=int, nargs="+", default=[8, 512, 768])
+    detail.add_argument("--threads", type=int, default=torch.get_num_threads())
+    detail.add_argument("--rounds", type=int, default=30)
+    detail.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                        help="cpu: process CPU time, robust to other jobs on a shared machine (with --threads 1)")
     gpu = sub.add_parser("gpu")
     gpu.add_argument("--rows", type=int, default=32768)
     gpu.add_argument("--hidden", type=int, nargs="+", default=[1024, 2048, 4096, 8192])
@@ -249,6 +367,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.mode == "cpu":
         bench_cpu(args)
+    elif args.mode == "cpu-candidates":
+        bench_cpu_candidates(args)
     elif args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("bench_norms.py gpu: no CUDA device")
     else:

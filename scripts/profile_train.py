@@ -11,8 +11,8 @@ table and the 25 most expensive kernels are printed and, with --out, written to 
         --seq 2048 --batch 8 --vocab 32768 --compile --out docs/gpu/profile_350m.txt          # the 371M step
 
 Kernel names differ between libraries and versions, so the buckets are a best effort: the top-kernel list under
-the table shows what landed where. On CPU only aten ops are counted: the fused C++ RMSNorm (an autograd
-Function over ctypes) shows up as idle/host time, so read CPU runs for the other buckets.
+the table shows what landed where. On CPU only aten ops are counted: the fused C++ RMSNorm (its own
+`normlab_cpu::*` operators) shows up as idle/host time, so read CPU runs for the other buckets.
 """
 from __future__ import annotations
 

@@ -122,3 +122,18 @@ def test_cpu_kernel_without_a_compiler_falls_back_with_a_warning(monkeypatch, tm
         assert kernels._implementation("auto", "cpu", True, True) == "torch"
     finally:
         cpu_rms.library.cache_clear()
+
+
+def test_cpu_kernel_under_inference_mode_and_its_autograd_node():
+    """The C++ operator runs without autograd (inference mode: its plain CPU kernel) to the same values, and with
+    autograd its backward is the C++ node, not a Python function."""
+    if cpu_rms.library() is None:
+        pytest.skip("no C++ compiler here: the CPU RMSNorm falls back to PyTorch")
+    x, w, r = torch.randn(3, 5, 16), torch.randn(16), torch.randn(3, 5, 16)
+    with torch.inference_mode():
+        y, h = rms_norm(x, w, 1e-5, residual=r)
+    torch.testing.assert_close(y, reference.rms_norm(x + r, w, 1e-5))
+    assert torch.equal(h, x + r)
+    y_grad = rms_norm(x.requires_grad_(), w, 1e-5)
+    assert torch.equal(y_grad.detach(), rms_norm(x.detach(), w, 1e-5))
+    assert "RMSNormFunction" in y_grad.grad_fn.name()

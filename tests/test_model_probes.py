@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from model import ModelConfig, Transformer
+from model.attention import DocumentMask
 from model.norms import NORMS
-from model.probes import Recorder, attention_stats, record, token_rms
+from model.probes import Recorder, attention_rows, attention_stats, record, token_rms
 from model.residual import PLACEMENTS
 from model.rope import rope_cos_sin
 from tests.test_model_structure import FORMULAS
@@ -17,7 +18,7 @@ from tests.test_model_structure import FORMULAS
 def test_uniform_attention():
     q = torch.zeros(1, 2, 8, 4)  # all logits equal → every visible key equally likely
     k = torch.randn(1, 1, 8, 4)
-    s = attention_stats(q, k, torch.arange(8))
+    s = attention_stats(q, k, torch.arange(8), scale=0.5)
     assert torch.allclose(s["entropy"], torch.ones(2), atol=1e-6)
     assert torch.equal(s["saturated_frac"], torch.zeros(2))
     expected_max_prob = torch.tensor([1 / (r + 1) for r in range(1, 8)]).mean()  # row 0 is skipped
@@ -31,13 +32,13 @@ def test_one_hot_attention():
     k[0, 0, 0, 0] = 1.0  # only key 0 has a non-zero logit...
     q = torch.zeros(1, 1, T, D)
     q[0, 0, :, 0] = 200.0  # ...and it is huge: every row puts all its mass there
-    s = attention_stats(q, k, torch.arange(1, T))
+    s = attention_stats(q, k, torch.arange(1, T), scale=1 / math.sqrt(D))
     assert s["max_prob"].item() == pytest.approx(1.0)
     assert s["saturated_frac"].item() == 1.0
     assert s["entropy"].item() == pytest.approx(0.0, abs=1e-6)
     assert s["max_logit"].item() == pytest.approx(200.0 / math.sqrt(D))
     with pytest.raises(ValueError, match="past position 0"):
-        attention_stats(q, k, torch.tensor([0]))
+        attention_stats(q, k, torch.tensor([0]), scale=1 / math.sqrt(D))
 
 
 def test_saturation_threshold_is_configurable():
@@ -46,8 +47,8 @@ def test_saturation_threshold_is_configurable():
     k = torch.zeros(1, 1, 4, 2)
     k[0, 0, 0, 0] = 1.0
     rows = torch.tensor([1])  # two visible keys with logits 3/√2 and 0 → p ≈ 0.894
-    assert attention_stats(q, k, rows, threshold=0.99)["saturated_frac"].item() == 0.0
-    assert attention_stats(q, k, rows, threshold=0.85)["saturated_frac"].item() == 1.0
+    assert attention_stats(q, k, rows, 1 / math.sqrt(2), threshold=0.99)["saturated_frac"].item() == 0.0
+    assert attention_stats(q, k, rows, 1 / math.sqrt(2), threshold=0.85)["saturated_frac"].item() == 1.0
 
 
 def test_known_residual_stream():
@@ -198,7 +199,7 @@ def test_attention_stats_use_the_softcapped_scores_and_the_model_passes_its_cap(
     torch.manual_seed(0)
     q, k = torch.randn(1, 2, 6, 8) * 4, torch.randn(1, 2, 6, 8) * 4
     rows, cap = torch.tensor([3, 5]), 1.5
-    stats = attention_stats(q, k, rows, softcap=cap)
+    stats = attention_stats(q, k, rows, 1 / math.sqrt(8), softcap=cap)
     s = (q[:, :, rows] @ k.transpose(-1, -2)) / math.sqrt(8)  # [1, 2, R, 6]
     visible = torch.arange(6)[None, :] <= rows[:, None]
     p = (cap * torch.tanh(s / cap)).masked_fill(~visible, float("-inf")).softmax(-1)
@@ -212,6 +213,62 @@ def test_attention_stats_use_the_softcapped_scores_and_the_model_passes_its_cap(
     with record(model) as rec:
         model(torch.randint(0, 64, (1, 8)))
     all_rows = torch.arange(8)
-    want = attention_stats(seen["q"], seen["k"], all_rows, softcap=cap)["max_prob"].mean().item()
+    scale = model.layers[0].attn.scale
+    want = attention_stats(seen["q"], seen["k"], all_rows, scale, softcap=cap)["max_prob"].mean().item()
     assert rec.scalars()["attn/max_prob/L0"] == pytest.approx(want, rel=1e-6)
-    assert want != pytest.approx(attention_stats(seen["q"], seen["k"], all_rows)["max_prob"].mean().item(), rel=1e-3)
+    uncapped = attention_stats(seen["q"], seen["k"], all_rows, scale)["max_prob"].mean().item()
+    assert want != pytest.approx(uncapped, rel=1e-3)
+
+
+def module_softmax(attn, q_BHTD: torch.Tensor, k_BKTD: torch.Tensor, doc_mask=None) -> torch.Tensor:
+    """The attention module's own probabilities [B, H, T, T]: its kernel (`_attend`: SDPA, or math attention under
+    a softcap) run with value rows e_s, so each output row is the softmax row itself (needs head_dim ≥ T)."""
+    B, K, T, D = k_BKTD.shape
+    v = torch.eye(T, D).expand(B, K, T, D)
+    mask = None if doc_mask is None else doc_mask.dense
+    return attn._attend(q_BHTD, k_BKTD, v, mask, doc_mask is None, doc_mask)[..., :T]
+
+
+SCALES = {  # dim 64, 4 heads; μP base width 16 (base head dim 4)
+    "standard": dict(),
+    "standard-head_dim": dict(head_dim=32),
+    "mup": dict(parametrization="mup"),
+    "mup-head_dim-grows": dict(parametrization="mup", head_dim=32, mup_base_head_dim=8),
+    "mup-gqa-softcap-docs": dict(parametrization="mup", n_kv_heads=2, attn_softcap=2.0),
+}
+
+
+@pytest.mark.parametrize("kw", SCALES.values(), ids=SCALES.keys())
+def test_probe_softmax_is_the_attention_modules_own(kw):
+    """The probes' softmax equals the attention kernel's under standard, μP (score scale √D₀/D, not 1/√D) and an
+    explicit head_dim; the recorded max_prob and sink mass are those of the module's probabilities."""
+    torch.manual_seed(0)
+    T = 12
+    model = Transformer(ModelConfig(vocab_size=64, dim=64, n_layers=1, n_heads=4, max_seq_len=T,
+                                    mup_base_width=16, **kw))
+    attn = model.layers[0].attn
+    with torch.no_grad():
+        attn.q_proj.weight.mul_(40)  # peaked attention, so a wrong scale changes the probabilities visibly
+    seen = {}
+    attn.rope.register_forward_hook(lambda m, a, out: seen.update(q=out[0], k=out[1]))
+    tokens = torch.randint(0, 64, (1, T))
+    positions = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 5, 6]]) if attn.softcap else None
+    with record(model, attn_rows=T) as rec:
+        model(tokens, position_ids=positions)
+    doc_mask = None if positions is None else DocumentMask.from_positions(positions, attn.softcap)
+    with torch.no_grad():
+        want = module_softmax(attn, seen["q"], seen["k"], doc_mask)  # [1, H, T, T]
+    rows = torch.arange(T)
+    doc_ids = None if doc_mask is None else doc_mask.doc_ids
+    got = attention_rows(seen["q"], seen["k"], rows, attn.scale, attn.softcap, doc_ids)
+    torch.testing.assert_close(got.probs, want, rtol=0, atol=1e-5)
+    if kw.get("parametrization") == "mup":  # μP's scale is not 1/√D: the textbook scale gives another softmax
+        textbook = attention_rows(seen["q"], seen["k"], rows, attn.head_dim ** -0.5, attn.softcap, doc_ids)
+        assert (textbook.probs - want).abs().max() > 0.05
+    # what the recorder logged (through its hooks) is computed from those same probabilities
+    valid = got.valid[0]  # rows that see more than one key
+    sinks = got.visible[0].float().argmax(-1)
+    s = rec.scalars()
+    assert s["attn/max_prob/L0"] == pytest.approx(want[0].amax(-1)[:, valid].mean().item(), rel=1e-5)
+    at_sink = want[0].gather(-1, sinks[None, :, None].expand(want.shape[1], -1, 1)).squeeze(-1)
+    assert s["attn/sink_mass/L0"] == pytest.approx(at_sink[:, valid].mean().item(), rel=1e-5)

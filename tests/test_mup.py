@@ -16,15 +16,16 @@ BASE = 32
 
 
 def config(dim: int, parametrization: str = "mup", **kw) -> ModelConfig:
-    return ModelConfig.preset(kw.pop("preset", "llama"), vocab_size=64, dim=dim, n_layers=2, n_heads=4,
-                              max_seq_len=16, parametrization=parametrization, mup_base_width=BASE, **kw)
+    fields = dict(vocab_size=64, n_layers=2, n_heads=4, max_seq_len=16, mup_base_width=BASE) | kw
+    return ModelConfig.preset(fields.pop("preset", "llama"), dim=dim, parametrization=parametrization, **fields)
 
 
-def test_at_the_base_width_mup_is_the_standard_model():
+@pytest.mark.parametrize("kw", [{}, dict(head_dim=16, mup_base_head_dim=16)], ids=["derived", "head_dim"])
+def test_at_the_base_width_mup_is_the_standard_model(kw):
     torch.manual_seed(0)
-    std = Transformer(config(BASE, "standard"))
+    std = Transformer(config(BASE, "standard", **kw))
     torch.manual_seed(0)
-    mup = Transformer(config(BASE))
+    mup = Transformer(config(BASE, **kw))
     tokens = torch.randint(0, 64, (2, 12))
     assert all(torch.equal(p, q) for p, q in zip(std.parameters(), mup.parameters(), strict=True))
     torch.testing.assert_close(mup(tokens), std(tokens), rtol=0, atol=1e-6)
@@ -51,6 +52,21 @@ def test_mup_scales_init_lr_logits_and_attention_with_width():
     std.load_state_dict(model.state_dict())
     tokens = torch.randint(0, 64, (2, 1))
     torch.testing.assert_close(model(tokens) * m, std(tokens), rtol=1e-5, atol=1e-6)
+
+
+def test_mup_attention_scale_with_an_explicit_head_dim():
+    """An explicit head_dim (≠ dim/n_heads) says through mup_base_head_dim how the head dim scales: held fixed as
+    the model widens (more heads, as in the Qwen3 family) the scale is 1/√D at every width; grown with the width
+    it is √D₀/D as for a derived head dim. Without it the config is refused rather than guessed."""
+    with pytest.raises(ValueError, match=r"ModelConfig.head_dim=16 is not dim/n_heads.*set mup_base_head_dim"):
+        config(BASE, head_dim=16)
+    for width, heads in ((BASE, 4), (2 * BASE, 8), (4 * BASE, 16)):  # fixed head dim, more heads
+        cfg = config(width, head_dim=16, mup_base_head_dim=16, n_heads=heads)
+        assert Transformer(cfg).layers[0].attn.scale == pytest.approx(1 / 4)
+    for width in (BASE, 4 * BASE):  # head dim 2·dim/heads, growing with the width
+        head_dim, base_head_dim = 2 * width // 4, 2 * BASE // 4
+        cfg = config(width, head_dim=head_dim, mup_base_head_dim=base_head_dim)
+        assert Transformer(cfg).layers[0].attn.scale == pytest.approx(math.sqrt(base_head_dim) / head_dim)
 
 
 @pytest.mark.parametrize("kw", [dict(preset="llama"), dict(preset="qwen3", bias=False), dict(preset="olmo2")],

@@ -73,10 +73,10 @@ def test_sink_mass_matches_a_float64_softmax_with_gqa_and_softcap():
     q, k = torch.randn(2, 4, 9, 8) * 2, torch.randn(2, 2, 9, 8) * 2
     rows = [2, 5, 8]
     for cap in (None, 1.5):
-        got = sink_mass(q, k, torch.tensor([0, *rows]), softcap=cap)  # row 0 is left out
+        got = sink_mass(q, k, torch.tensor([0, *rows]), 8 ** -0.5, softcap=cap)  # row 0 is left out
         np.testing.assert_allclose(got.numpy(), sink_reference(q, k, rows, cap), rtol=1e-5)
     with pytest.raises(ValueError, match="past position 0"):
-        sink_mass(q, k, torch.tensor([0]))
+        sink_mass(q, k, torch.tensor([0]), 8 ** -0.5)
 
 
 def test_sink_mass_under_a_document_mask_is_each_documents_first_token():
@@ -87,10 +87,10 @@ def test_sink_mass_under_a_document_mask_is_each_documents_first_token():
     doc_ids = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 2, 2], [0] * 9])
     rows = [2, 3, 5, 7, 8]
     for cap in (None, 1.5):
-        got = sink_mass(q, k, torch.tensor(rows), softcap=cap, doc_ids=doc_ids)
+        got = sink_mass(q, k, torch.tensor(rows), 8 ** -0.5, softcap=cap, doc_ids=doc_ids)
         np.testing.assert_allclose(got.numpy(), sink_reference(q, k, rows, cap, doc_ids), rtol=1e-5)
     with pytest.raises(ValueError, match="besides its sink"):
-        sink_mass(q, k, torch.tensor([3, 7]), doc_ids=torch.tensor([[0, 0, 0, 1, 1, 1, 1, 2, 2]] * 2))
+        sink_mass(q, k, torch.tensor([3, 7]), 8 ** -0.5, doc_ids=torch.tensor([[0, 0, 0, 1, 1, 1, 1, 2, 2]] * 2))
 
 
 def test_sink_mass_is_one_when_attention_is_forced_onto_key_0():
@@ -99,8 +99,8 @@ def test_sink_mass_is_one_when_attention_is_forced_onto_key_0():
     q[..., 0] = 50.0
     k = torch.zeros(1, 1, T, D)
     k[0, 0, 0, 0] = 10.0  # only key 0 answers q: logit 250 against 0 everywhere else
-    assert torch.allclose(sink_mass(q, k, torch.arange(T)), torch.ones(2))
-    uniform = sink_mass(torch.zeros(1, 1, T, D), k, torch.arange(T))  # all logits equal: 1/(r+1) on key 0
+    assert torch.allclose(sink_mass(q, k, torch.arange(T), 1 / math.sqrt(D)), torch.ones(2))
+    uniform = sink_mass(torch.zeros(1, 1, T, D), k, torch.arange(T), 0.5)  # all logits equal: 1/(r+1) on key 0
     assert uniform.item() == pytest.approx(np.mean([1 / (r + 1) for r in range(1, T)]), rel=1e-6)
 
 

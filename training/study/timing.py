@@ -29,9 +29,9 @@ from model.norms import Norm
 from training.study.grid import Arch, Scale
 
 EPS = 1e-5
-# Autograd nodes of the norm backward passes as they run by default on CPU: the fused C++ RMSNorm
-# (model.kernels.ops._Eager) and ATen's native LayerNorm.
-NORM_BACKWARD_NODES = ("_EagerBackward", "NativeLayerNormBackward", "RmsNormBackward")
+# Autograd nodes of the norm backward passes: the fused C++ RMSNorm on CPU (its C++ autograd function,
+# model/kernels/cpu_rms.cpp), the Triton kernels' (model.kernels.ops._Eager) and ATen's native LayerNorm.
+NORM_BACKWARD_NODES = ("RMSNormFunction", "_EagerBackward", "NativeLayerNormBackward", "RmsNormBackward")
 
 
 def composite_layer_norm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

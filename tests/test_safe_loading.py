@@ -198,8 +198,8 @@ def test_validate_and_test_refuse_a_crafted_checkpoint(kind, command, crafted, w
 
 def test_universal_conversion_and_cache_refuse_code(runs, crafted, workdir, tmp_path):
     """Resuming a 2-rank ZeRO-2 checkpoint on 1 rank goes through DeepSpeed's universal format: a crafted shard
-    is refused by the conversion, and a crafted universal cache (written by an earlier conversion, not covered
-    by the manifest) by the load."""
+    is refused by the conversion, and a crafted universal cache (written by an earlier conversion) by the
+    resume's scan, which runs before the cache's hashes are checked."""
     run, marker = crafted["zero2"]
     proc = run_normlab(fit_args(workdir, "universal-shard", "zero2", "--ckpt_path", str(step_dir(run)),
                                 "--trainer.devices", "1"), cwd=workdir, expect_ok=False,
@@ -207,7 +207,7 @@ def test_universal_conversion_and_cache_refuse_code(runs, crafted, workdir, tmp_
     assert_refused(proc.stdout + proc.stderr, proc.returncode, marker, "mp_rank_00_model_states.pt")
 
     from training.checkpointing.safe import UnsafeCheckpointError
-    from training.strategy import UNIVERSAL_TAG, to_universal
+    from training.checkpointing.universal import UNIVERSAL_TAG, to_universal
 
     # the conversion itself (a subprocess running DeepSpeed's converter), behind the resume's own scan
     with pytest.raises(UnsafeCheckpointError, match=r"mp_rank_00_model_states\.pt.*posix\.system"):
@@ -248,7 +248,7 @@ def test_allow_list_is_exactly_what_real_checkpoints_need(runs, tmp_path):
     import deepspeed  # noqa: F401 (as when DeepSpeed reads its shards)
 
     from training.checkpointing.safe import _allowed, safe_torch_load
-    from training.strategy import to_universal
+    from training.checkpointing.universal import to_universal
 
     universal = Path(shutil.copytree(step_dir(runs["zero1"]), tmp_path / step_dir(runs["zero1"]).name))
     to_universal(universal)

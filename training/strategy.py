@@ -11,9 +11,9 @@ in `training/compat.py` (`DeepSpeedStrategyPatches`), with every other patch of 
 Resuming on another world size (ZeRO-1/2/3): DeepSpeed refuses to load optimizer shards written by another
 number of ranks. `resume_from` (called by `normlab fit` before the engine is built) then sets DeepSpeed's config
 key `checkpoint.load_universal`, and `load_checkpoint` converts the checkpoint once into DeepSpeed's universal
-format (rank 0, `deepspeed.checkpoint.ds_to_universal`, cached inside the checkpoint directory as
-`checkpoint_universal/` + `latest_universal`, written to a temporary name and renamed) and loads that, which
-re-partitions the fp32 weights and Adam moments for the new world size (and repairs two slips of the ZeRO-3
+format (rank 0, `deepspeed.checkpoint.ds_to_universal`, cached inside the checkpoint directory with a manifest of
+its own that every rank checks before reading the cache: training/checkpointing/universal.py) and loads that,
+which re-partitions the fp32 weights and Adam moments for the new world size (and repairs two slips of the ZeRO-3
 loader, see `compat.repair_zero3_universal_load`). DeepSpeed without ZeRO is refused earlier (see `check_reshard`).
 
 Precision: one regime on every strategy. `bf16-mixed` / `16-mixed` mean torch autocast over fp32 weights — fp32
@@ -35,10 +35,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import shutil
-import subprocess
-import sys
 from collections.abc import Callable, MutableMapping
 from contextlib import AbstractContextManager
 from pathlib import Path
@@ -54,13 +50,13 @@ from training import compat
 from training.checkpointing.layout import DEEPSPEED_TAG
 from training.checkpointing.load import deepspeed_state_dict
 from training.checkpointing.manifest import MANIFEST, CheckpointError, Manifest
-from training.checkpointing.safe import UnsafeCheckpointError, no_code_from_checkpoints
+from training.checkpointing.safe import no_code_from_checkpoints
+from training.checkpointing.universal import to_universal, verify_cache
 from training.compat import DeepSpeedStrategyPatches, repair_zero3_universal_load, restore_full_weights
+from training.distributed import together
 from training.errors import UserError
 
 log = logging.getLogger(__name__)
-
-UNIVERSAL_TAG = "checkpoint_universal"  # beside DeepSpeed's own tag ("checkpoint", Lightning's choice)
 
 # The JSON files are the source of truth for each stage; they live with the other recipes in configs/.
 DEEPSPEED_CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs" / "deepspeed"
@@ -167,6 +163,7 @@ class DeepSpeed(DeepSpeedStrategyPatches):
                                   f"{self.world_size}: call DeepSpeed.resume_from(checkpoint) before fit (`normlab "
                                   "fit` does)")
         self._on_rank_zero(lambda: to_universal(Path(checkpoint_path)))
+        together(lambda: verify_cache(Path(checkpoint_path)))  # every rank reads all of the cache: each checks it
         log.warning("loading %s (written by %d ranks) on %d ranks through DeepSpeed's universal checkpoint",
                     checkpoint_path, saved_world, self.world_size)
         optimizer = self.deepspeed_engine.optimizer
@@ -261,32 +258,6 @@ def precision_record(trainer: Any, model: torch.nn.Module) -> dict[str, str | No
         autocast = torch.bfloat16 if precision.startswith("bf16") else torch.float16
     return {"precision": precision, "weights": str(weights).removeprefix("torch."),
             "autocast": str(autocast).removeprefix("torch.") if autocast is not None else None}
-
-
-def to_universal(ckpt_dir: Path) -> None:
-    """Convert a DeepSpeed checkpoint directory to the universal format in place (once; cached)."""
-    if (ckpt_dir / "latest_universal").is_file() and (ckpt_dir / UNIVERSAL_TAG).is_dir():
-        return
-    tag = (ckpt_dir / "latest").read_text().strip()
-    tmp = ckpt_dir / f".tmp-{UNIVERSAL_TAG}"
-    shutil.rmtree(tmp, ignore_errors=True)  # our own leftover from an interrupted conversion
-    # A subprocess: the converter parses its own argv; it reads the shards weights-only (safe.py's entry point).
-    proc = subprocess.run([sys.executable, "-m", "training.checkpointing.safe", "--input_folder",
-                           str(ckpt_dir / tag), "--output_folder", str(tmp), "--inject_missing_state",
-                           "--num_extract_workers", "1", "--num_merge_workers", "1"],
-                          capture_output=True, text=True)
-    if proc.returncode != 0:
-        shutil.rmtree(tmp, ignore_errors=True)  # a refused or failed conversion leaves nothing behind
-    if proc.returncode != 0 and "refusing to load" in proc.stderr:  # a shard holds a type that could run code
-        raise UnsafeCheckpointError(proc.stderr.strip().splitlines()[-1].removeprefix("error: "))
-    if proc.returncode != 0:
-        raise RuntimeError(f"converting {ckpt_dir} to DeepSpeed's universal checkpoint failed; resume on the "
-                           f"world size that wrote it:\n{(proc.stdout + proc.stderr)[-3000:]}")
-    (ckpt_dir / "latest_universal").unlink(missing_ok=True)  # the converter writes it beside its output
-    os.replace(tmp, ckpt_dir / UNIVERSAL_TAG)
-    latest = ckpt_dir / ".latest_universal.tmp"
-    latest.write_text(UNIVERSAL_TAG)
-    os.replace(latest, ckpt_dir / "latest_universal")
 
 
 def default_precision(accelerator: str | Any) -> str:

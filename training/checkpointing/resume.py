@@ -4,7 +4,8 @@ each failure names the checkpoint and the fix.
 - a new run must not write over another run's checkpoints (`check_fresh_run`), nor over the config and logs of a
   run that stopped before its first checkpoint (`check_no_logged_run`);
 - a DeepSpeed directory resumes under DeepSpeed, a Lightning file without it (`check_format`);
-- the checkpoint is whole (every file the manifest lists, at its size and sha256), holds no pickled code
+- the checkpoint is whole (every file the manifest lists, at its size and sha256; on a DeepSpeed resume each rank
+  checks the files it reads, `rank_files`, and the ranks agree on the outcome), holds no pickled code
   (training/checkpointing/safe.py), and was written with this model config and tokenizer (`check_resume`;
   `check_fits` for a branch, before `fit`);
 - another gradient accumulation must continue on an update boundary (`check_accumulation`);
@@ -12,7 +13,9 @@ each failure names the checkpoint and the fix.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
+import re
 from pathlib import Path
 from typing import Any
 
@@ -27,10 +30,14 @@ from training.checkpointing.layout import (
     config_hash,
     file_hash,
 )
-from training.checkpointing.manifest import CheckpointError, Manifest, read_verified
+from training.checkpointing.manifest import CheckpointError, Manifest, verify_files
 from training.checkpointing.safe import refuse_code
+from training.distributed import together
 
 log = logging.getLogger(__name__)
+
+# A DeepSpeed shard that only its own data-parallel rank loads: ZeRO-1/2/3 optimizer states, ZeRO-3 weights.
+_RANK_SHARD = re.compile(r"(?:^|/)(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_\d+_(?:optim|model)_states\.pt$")
 
 
 def check_fresh_run(run_dir: str | Path) -> None:
@@ -71,8 +78,30 @@ def check_format(ckpt_path: str, deepspeed: bool) -> None:
 
 
 def check_resume(ckpt_dir: Path, trainer: Trainer, pl_module: LightningModule) -> None:
-    """Refuse to resume a checkpoint that does not fit this run (same result on every rank: no collective)."""
-    check_fits(ckpt_dir, pl_module.config.to_dict(), trainer.datamodule.tokenizer_path, trainer)
+    """Refuse to resume a checkpoint that does not fit this run. Each rank verifies the files it reads; then the
+    ranks agree, so a file one rank refused stops every rank with that rank's one-line error (a collective)."""
+    config = getattr(trainer.strategy, "config", None) or {}
+    elastic = (config.get("zero_optimization") or {}).get("elastic_checkpoint", False)  # every rank reads every shard
+    reader = None if elastic else (trainer.global_rank, trainer.world_size)
+    together(lambda: check_fits(ckpt_dir, pl_module.config.to_dict(), trainer.datamodule.tokenizer_path, trainer,
+                                reader=reader))
+
+
+def rank_files(manifest: Manifest, rank: int, world_size: int) -> Manifest:
+    """`manifest` cut down to the files rank `rank` of `world_size` reads when it resumes the checkpoint: under
+    DeepSpeed every file but the other ranks' ZeRO shards (`zero_pp_rank_R_…_states.pt`, loaded by rank R only) —
+    unless the world size changed, when rank 0 converts every shard to the universal format and the other ranks
+    read none (they read the converted cache, checked against its own manifest: universal.py). A Lightning
+    checkpoint is read whole by every rank."""
+    if not manifest.deepspeed or (rank == 0 and manifest.world_size != world_size):
+        return manifest
+
+    def read(rel: str) -> bool:
+        shard = _RANK_SHARD.search(rel)
+        return shard is None or (int(shard.group(1)) == rank and manifest.world_size == world_size)
+
+    return dataclasses.replace(manifest, files={k: v for k, v in manifest.files.items() if read(k)},
+                               sha256={k: v for k, v in manifest.sha256.items() if read(k)})
 
 
 def _as_today(saved: dict[str, Any]) -> dict[str, Any]:
@@ -87,18 +116,21 @@ def _as_today(saved: dict[str, Any]) -> dict[str, Any]:
 
 
 def check_fits(ckpt_dir: Path, model_config: dict[str, Any], tokenizer_path: Path | None, trainer: Trainer,
-               action: str = "resume") -> None:
+               action: str = "resume", reader: tuple[int, int] | None = None) -> None:
     """The checkpoint at `ckpt_dir` can be loaded into a run with `model_config`, trained on the tokenizer at
     `tokenizer_path`, with `trainer`'s accumulation and world size. `action` ("resume", "branch from") names
-    what is refused in the messages. (Needs only the trainer's settings: also usable before `fit`.)"""
-    check_loadable(ckpt_dir, check_settings(ckpt_dir, model_config, tokenizer_path, action), trainer)
+    what is refused in the messages; `reader`: see `check_settings`. (Needs only the trainer's settings: also
+    usable before `fit`.)"""
+    check_loadable(ckpt_dir, check_settings(ckpt_dir, model_config, tokenizer_path, action, reader), trainer)
 
 
 def check_settings(ckpt_dir: Path, model_config: dict[str, Any], tokenizer_path: Path | None,
-                   action: str = "resume") -> Manifest:
+                   action: str = "resume", reader: tuple[int, int] | None = None) -> Manifest:
     """The checks of `check_fits` that read no pickle: the files are as saved, the model config and the tokenizer
-    are the run's (`action`: also "validate", "test"). Returns the manifest."""
-    manifest = read_verified(ckpt_dir)
+    are the run's (`action`: also "validate", "test"). `reader`: (rank, world size) of the process that resumes —
+    only the files it reads are verified (`rank_files`); None: every file. Returns the manifest."""
+    manifest = Manifest.read(ckpt_dir)
+    verify_files(ckpt_dir, manifest if reader is None else rank_files(manifest, *reader))
     if (ckpt_dir / MODEL_CONFIG_FILE).is_file():
         saved = _as_today(rundir.model_config(ckpt_dir))
         if config_hash(saved) != config_hash(model_config):

@@ -116,6 +116,19 @@ class StopSignals:
         if world_size > 1 and self._group is None:
             self._group = dist.new_group(backend="gloo", timeout=self.timeout)
 
+    def disconnect(self) -> None:
+        """At a fit's normal end (every rank gets there): wait for the last boundary's all-reduce, which every
+        rank started, and destroy the flags' group, so that no collective is in flight while the process exits
+        (an unwaited gloo operation at interpreter exit is a hypothesis for a rare abort of a rank at exit,
+        "terminate called without an active exception", seen once in a 2-rank torchrun test)."""
+        import torch.distributed as dist
+
+        if self._work is not None:
+            self._work.wait()
+        if self._group is not None and dist.is_initialized():
+            dist.destroy_process_group(self._group)
+        self._group = self._flags = self._work = None
+
     def agreed(self, world_size: int) -> Decision:
         """What the ranks had received by the previous call — the same answer on every rank. A collective: every
         rank must call it at the same step boundaries."""

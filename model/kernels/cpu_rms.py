@@ -64,7 +64,7 @@ def _command(compiler: str, src: Path, out: Path, flags: list[str]) -> list[str]
     """The compile-and-link line of a libtorch operator library (what torch.utils.cpp_extension would run)."""
     from torch.utils import cpp_extension  # imported only to build: it imports setuptools
 
-    abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"
+    abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch.compiled_with_cxx11_abi())}"
     lib_dirs = cpp_extension.library_paths()
     return [compiler, "-O3", "-std=c++20", "-shared", "-fPIC", abi, *flags,
             *(f"-I{p}" for p in cpp_extension.include_paths()), str(src), "-o", str(out),

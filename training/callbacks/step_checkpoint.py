@@ -124,6 +124,8 @@ class StepCheckpoint(Callback):
         log.warning("stopping after step %d on %s%s", step, received, after)
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self._signals is not None:
+            self._signals.disconnect()  # every rank ends here: nothing of the flags' group left in flight
         self._release_signals()
         if self._max_steps is not None:  # after a stop: what comes after the fit reads the run's own max_steps
             trainer.fit_loop.epoch_loop.max_steps, self._max_steps = self._max_steps, None

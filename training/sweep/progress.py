@@ -116,11 +116,17 @@ def duration(seconds: float | None) -> str:
     return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
 
 
+# The order the counts are printed in, whatever order the runs reached their states in (unknown ones last).
+STATUS_ORDER = ("finished", "diverged", "failed", "running", "pending")  # rundir.STATUSES, ended first
+
+
 def counts(views: list[RunView]) -> str:
+    """`2 finished, 1 running, 1 pending`: how many runs are in each state, in STATUS_ORDER."""
     found: dict[str, int] = {}
     for v in views:
         found[v.status] = found.get(v.status, 0) + 1
-    return ", ".join(f"{n} {s}" for s, n in found.items())
+    rank = {s: i for i, s in enumerate(STATUS_ORDER)}
+    return ", ".join(f"{found[s]} {s}" for s in sorted(found, key=lambda s: (rank.get(s, len(rank)), s)))
 
 
 def footer(views: list[RunView], slots: int, now: float) -> str:

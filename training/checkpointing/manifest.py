@@ -20,6 +20,7 @@ import dataclasses
 import hashlib
 import json
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -127,11 +128,13 @@ def _files(ckpt_dir: Path) -> dict[str, Path]:
     return {str(p.relative_to(ckpt_dir)): p for p in sorted(ckpt_dir.rglob("*")) if p.is_file() and p.name != MANIFEST}
 
 
-def read_verified(ckpt_dir: str | Path) -> Manifest:
+def read_verified(ckpt_dir: str | Path, select: Callable[[Manifest], Manifest] | None = None) -> Manifest:
     """The manifest of `ckpt_dir` once every file it lists is checked (`verify_files`): what every reader of a
-    checkpoint directory calls before anything in it is unpickled."""
+    checkpoint directory calls before anything in it is unpickled. `select`: the part of the manifest this
+    reader reads (a resuming rank's files, resume.rank_files) — only those are checked; the whole manifest is
+    returned."""
     manifest = Manifest.read(ckpt_dir)
-    verify_files(Path(ckpt_dir), manifest)
+    verify_files(Path(ckpt_dir), manifest if select is None else select(manifest))
     return manifest
 
 

@@ -30,7 +30,7 @@ from training.checkpointing.layout import (
     config_hash,
     file_hash,
 )
-from training.checkpointing.manifest import CheckpointError, Manifest, verify_files
+from training.checkpointing.manifest import CheckpointError, Manifest, read_verified
 from training.checkpointing.safe import refuse_code
 from training.distributed import together
 
@@ -129,8 +129,7 @@ def check_settings(ckpt_dir: Path, model_config: dict[str, Any], tokenizer_path:
     """The checks of `check_fits` that read no pickle: the files are as saved, the model config and the tokenizer
     are the run's (`action`: also "validate", "test"). `reader`: (rank, world size) of the process that resumes —
     only the files it reads are verified (`rank_files`); None: every file. Returns the manifest."""
-    manifest = Manifest.read(ckpt_dir)
-    verify_files(ckpt_dir, manifest if reader is None else rank_files(manifest, *reader))
+    manifest = read_verified(ckpt_dir, None if reader is None else lambda m: rank_files(m, *reader))
     if (ckpt_dir / MODEL_CONFIG_FILE).is_file():
         saved = _as_today(rundir.model_config(ckpt_dir))
         if config_hash(saved) != config_hash(model_config):

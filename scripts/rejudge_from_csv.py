@@ -62,8 +62,9 @@ def measurements(path: Path) -> dict[str, tuple[str, str, str, list[float], list
 
 def old_verdicts(report: Path) -> dict[str, str]:
     """Per test id, the verdict the committed report gave."""
-    return dict(re.findall(r"^\| (\w+): .*? \| \w[\w ]* \| [^|]* \| \*\*(\w+)(?: †)?\*\* \|", report.read_text(),
-                           flags=re.M))
+    # a claim section's row; the flags sat inside the bold in v3 (**PASS †**), after it now (**PASS** † ‡)
+    row = r"^\| (\w+): .*? \| \w[\w ]* \| [^|]* \| \*\*(\w+)(?: †)?\*\*(?: [†‡])* \|"
+    return dict(re.findall(row, report.read_text(), flags=re.M))
 
 
 def _outcome(test: Test, ctx: Context, csv_values: dict) -> Outcome | None:
@@ -109,7 +110,7 @@ def rejudge(study: Path, extra: list[Path]) -> list[str]:
     for o in judged:
         o.verdict_bh = decide(o.test, comparison_verdict(o.judgement.direction, o.q["difference"],
                                                          o.q["equivalence"], "lower"))
-    lines = ["| claim | committed (v3 rules) | primary now | estimate [95% CI] | p: t / sign-flip | verdict now | "
+    lines = ["| claim | committed report | primary now | estimate [95% CI] | p: t / sign-flip | verdict now | "
              "q (BH), verdict at FDR 5% |", "|---|---|---|---|---|---|---|"]
     for claim, outs in rows:
         lines += _rows(claim, outs, old)
@@ -124,7 +125,8 @@ def rejudge(study: Path, extra: list[Path]) -> list[str]:
 
 
 def _rows(claim: Claim, outs: list[Outcome | None], old: dict[str, str]) -> list[str]:
-    was = next((f"{t.id} {old[t.id]}" for t in _v3_primary(claim) if t.id in old), "—")
+    shown = [t for t in claim.primaries if t.id in old] or [t for t in _v3_primary(claim) if t.id in old]
+    was = f"{shown[0].id} {old[shown[0].id]}" if shown else "—"
     now = "awaits the next run" if any(o is None for o in outs) else combine([o.verdict for o in outs])
     lines = []
     for i, (test, o) in enumerate(zip(claim.primaries, outs, strict=True)):

@@ -69,6 +69,9 @@ class Estimate:
     samples: tuple[float, ...] = field(default=(), repr=False)
 
     def __str__(self) -> str:
+        if not math.isfinite(self.mean):
+            return (f"{self.mean} (n={self.n}: a seed is non-finite; no interval)" if math.isinf(self.mean)
+                    else f"— (n={self.n}: no finite value)")
         if self.n == 1:
             return f"{self.mean:.4g}"
         return (f"{self.mean:.3g} ± {self.sd:.2g} (n={self.n}, {self.confidence:.0%} CI "

@@ -527,6 +527,8 @@ REVISIONS = (
     "primary of the run), a Benjamini–Hochberg column across claims, the sign-flip test beside each t-test, "
     "power at the level used, divergences decided together with the loss (signed ranks, diverged = worst; was: "
     "McNemar on the diverged seeds alone, overriding the loss), and best-LR values cross-fitted.",
+    "After the first v4 run (the committed report): claim 16's reading was written after seeing 16e's FAIL; it "
+    "changes no test. A range-of-trainable-LRs test for claim 16 would have to be specified before another run.",
 )
 
 

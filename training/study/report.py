@@ -23,10 +23,21 @@ TIER_LABEL = {PRIMARY: "primary", SECONDARY: "secondary", MECHANISM: "mechanism 
 
 def _ci(e) -> str:
     if e is None or not math.isfinite(e.mean):
-        return "—" if e is None else f"{e.mean}"
+        return "—" if e is None else str(e)
     if e.n < 2 or not math.isfinite(e.lo):
         return f"{e.mean:.3g} (n={e.n})"
     return f"{e.mean:.3g} [{e.lo:.3g}, {e.hi:.3g}] (n={e.n}, df {e.df:.0f})"
+
+
+def _effect(o: Outcome) -> str:
+    """The estimate shown for a test; without a seed where both arms are finite, who diverged instead."""
+    e = o.shown
+    if e is not None and not math.isfinite(e.mean) and sum(o.discordant):
+        a, b = o.discordant
+        n = len(o.samples_a)
+        return (f"— (no seed finite in both arms; non-finite in {o.test.a} only on {a} of {n}, in {o.test.b} only "
+                f"on {b} of {n})")
+    return _ci(e)
 
 
 def _cell(text: str) -> str:
@@ -103,6 +114,28 @@ def _reading_14(ctx: Context, o: dict[str, Outcome]) -> str:
             "what bounds it here.")
 
 
+def _reading_16(ctx: Context, o: dict[str, Outcome]) -> str:
+    parts = []
+    for arm, name in (("post-w1-hi", "post-LN"), ("pre-w1-hi", "pre-LN")):
+        members = ctx.family(arm)
+        best = best_lr_index(ctx, arm)
+        at_best = _mean(ctx, "final_loss", members[best])
+        above = [r for m in members[best + 1:] for r in ctx.runs(m)]
+        trains = sum(outcome(r) == "trains" for r in above)
+        losses = [final_loss(r) for r in above if math.isfinite(final_loss(r))]
+        text = f"{name}'s best LR is {ctx.spec(members[best]).lr:g} (held-out loss {at_best:.2f})"
+        if not above:
+            text += ", the grid's highest"
+        else:
+            end = f"ending at {statistics.fmean(losses):.2f} on average" if losses else "every one diverging"
+            text += f" and {trains} of {len(above)} runs above it train, {end}"
+        parts.append(text)
+    return ("Measured: " + "; ".join(parts) + ". Hypothesis: 16e measures how far an arm falls from its own "
+            "optimum, which the stalled plateau bounds, so an arm whose optimum is already near the plateau "
+            "cannot fall far; the range of LRs that train (the runs table's outcomes) is the other reading of "
+            "'sensitive', and no test of it was specified before the run.")
+
+
 def _reading_17(ctx: Context, o: dict[str, Outcome]) -> str:
     return (f"Measured: the no-norm model's best LR is {ctx.spec(ctx.family('none')[best_lr_index(ctx, 'none')]).lr:g} "
             f"and RMSNorm's {ctx.spec(ctx.family('rms')[best_lr_index(ctx, 'rms')]).lr:g}; the largest LR whose "
@@ -123,7 +156,7 @@ def _reading_21(ctx: Context, o: dict[str, Outcome]) -> str:
 
 
 READINGS = {2: _reading_2, 3: _reading_3, 5: _reading_5, 6: _reading_6, 12: _reading_12, 14: _reading_14,
-            17: _reading_17, 21: _reading_21}
+            16: _reading_16, 17: _reading_17, 21: _reading_21}
 
 
 def _trend(claim: Claim, ctx: Context) -> list[str]:
@@ -209,7 +242,7 @@ def claim_section(claim: Claim, verdict: str, outcomes: list[Outcome], ctx: Cont
         key = "difference" if o.test.kind != "equivalent" else "equivalence"
         ps = f"{_p(o.p.get(key))} / {_p(o.p.get(key + '_perm'))}" if o.judgement else "—"
         lines.append(f"| {o.test.id}: {_cell(o.test.text)} | {TIER_LABEL[o.test.tier]} | {_margin(o)} | "
-                     f"**{o.verdict}**{_flags(o)} | {_ci(o.shown)} | {ps} | {o.numbers()} | {_per_seed(o)} |")
+                     f"**{o.verdict}**{_flags(o)} | {_effect(o)} | {ps} | {o.numbers()} | {_per_seed(o)} |")
     if claim.number == 9 and "toy" in ctx.extra:
         toy = ctx.extra["toy"]
         lines += ["", "Toy, RMS seen by layer (no norm / with norm): "
@@ -271,7 +304,7 @@ def summary_rows(judged: list) -> list[str]:
             head = f"{claim.number}. {claim.title}" if i == 0 else ""
             shown = f"**{verdict}**{_flags(o)}" if i == 0 else f"{o.verdict}{_flags(o)}"
             rows.append(f"| {head} | {claim.evidence if i == 0 else ''} | {o.test.id}: {_cell(o.test.text)} | "
-                        f"{_margin(o)} | {shown} | {_ci(o.shown)} | {_p(o.p.get(key))} / {_p(o.p.get(perm))} | "
+                        f"{_margin(o)} | {shown} | {_effect(o)} | {_p(o.p.get(key))} / {_p(o.p.get(perm))} | "
                         f"{_p(o.q.get(key))}, {o.verdict_bh} | {power} | {mde} |")
     return rows
 

@@ -2,7 +2,8 @@
 is worked out by hand in the comment beside it."""
 from __future__ import annotations
 
-from training.sweep.progress import RunView, duration, eta, footer
+from training.rundir import STATUSES
+from training.sweep.progress import STATUS_ORDER, RunView, counts, duration, eta, footer
 
 NOW = 1000.0
 
@@ -33,3 +34,10 @@ def test_before_any_run_ends_the_running_runs_steps_are_the_estimate():
 def test_a_finished_sweep_has_no_eta_and_durations_read_as_one_word():
     assert footer([run("finished", 10), run("diverged", 3)], 2, NOW) == "2/2 done (1 finished, 1 diverged)"
     assert [duration(s) for s in (None, 4.4, 65, 3725)] == ["?", "4s", "1m05s", "1h02m"]
+
+
+def test_the_counts_keep_one_order_whatever_order_the_runs_reached_it():
+    views = [run("pending"), run("running", 5), run("failed", 2), run("finished", 10), run("diverged", 3)]
+    expected = "1 finished, 1 diverged, 1 failed, 1 running, 1 pending"
+    assert counts(views) == counts(views[::-1]) == expected
+    assert sorted(STATUS_ORDER) == sorted(STATUSES)  # the run directory's states, each with its place

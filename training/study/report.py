@@ -122,7 +122,7 @@ def _reading_16(ctx: Context, o: dict[str, Outcome]) -> str:
         at_best = _mean(ctx, "final_loss", members[best])
         above = [r for m in members[best + 1:] for r in ctx.runs(m)]
         trains = sum(outcome(r) == "trains" for r in above)
-        losses = [final_loss(r) for r in above if math.isfinite(final_loss(r))]
+        losses = [x for x in map(final_loss, above) if math.isfinite(x)]
         text = f"{name}'s best LR is {ctx.spec(members[best]).lr:g} (held-out loss {at_best:.2f})"
         if not above:
             text += ", the grid's highest"

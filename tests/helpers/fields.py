@@ -1,0 +1,30 @@
+"""The ModelConfig fields outside the registries, as cases for the field matrix (tests/test_model_fields.py).
+
+Each `FieldCase` names the field it exercises and a set of overrides of the tiny config that turns it on. Every case
+runs the same checks: the parameter count from the config, finite gradients for every parameter, causality, a
+meta-device build equal to an eager one, HF export refused naming the field, and μP either covering it or refusing
+it in one line. A new field joins by adding a case to one of the lists below.
+"""
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+
+class FieldCase(NamedTuple):
+    field: str  # the ModelConfig field the case is about (named by export's and μP's refusals)
+    overrides: dict[str, Any]
+    mup: bool = True  # True: μP covers the field (it builds and trains under parametrization=mup); False: refused
+    identity_at_init: bool = False  # every sublayer's contribution is 0 at step 0 (ReZero): its inputs get no grad yet
+
+    @property
+    def id(self) -> str:
+        return "-".join(f"{k}={v}" for k, v in self.overrides.items())
+
+
+# Scalars on the stream and the branches, depth-aware norms, embeddings, gains, new norm kinds.
+STREAM_CASES: list[FieldCase] = []
+
+# Attention: QK-norm kinds, V-norm, sub-norms, gates, sinks.
+ATTENTION_CASES: list[FieldCase] = []
+
+FIELD_CASES: list[FieldCase] = STREAM_CASES + ATTENTION_CASES

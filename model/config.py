@@ -13,9 +13,10 @@ from typing import Any
 
 from model.mlp import MLPS  # the MLP registry: valid names, matrices per MLP
 from model.mup import PARAMETRIZATIONS  # standard | mup: see model/mup.py
-from model.norms import NORM_SITES, NORMS  # the norm registry: valid names, parameters per norm
-from model.residual import BRANCH_SCALES, PLACEMENTS  # the placement registry: names, norms per sublayer, final norm
+from model.norms import NORMS  # the norm registry: valid names, parameters per norm
+from model.residual import PLACEMENTS  # the placement registry: valid names, norms per sublayer, final norm
 from model.rope import RopeScaling
+from model.validation import check_choice, check_dyt_alpha, check_positive, check_stream
 
 NORM_CASTS = ("llama", "gemma")
 QK_NORMS = ("none", "head", "full")
@@ -38,24 +39,6 @@ PRESETS: dict[str, dict[str, Any]] = {
     # The original Transformer (Vaswani et al. 2017) / BERT: post-norm LayerNorm.
     "post": dict(norm="layernorm", placement="post", qk_norm="none", bias=True),
 }
-
-
-def _check_choice(name: str, value: Any, valid: tuple) -> None:
-    if value not in valid:
-        raise ValueError(f"ModelConfig.{name}={value!r} is not valid; choose one of {list(valid)}")
-
-
-def _is_real(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _is_positive(value: Any) -> bool:
-    return _is_real(value) and value > 0
-
-
-def _check_positive(name: str, value: Any) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise ValueError(f"ModelConfig.{name}={value!r} must be a positive integer")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -116,30 +99,30 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "dim", "n_layers", "n_heads", "max_seq_len"):
-            _check_positive(name, getattr(self, name))
+            check_positive(name, getattr(self, name))
         if self.head_dim is None:  # resolved here, so the saved config always states the width it ran with
             if self.dim % self.n_heads:
                 raise ValueError(f"ModelConfig.dim={self.dim} must be divisible by n_heads={self.n_heads} "
                                  "(or give head_dim)")
             object.__setattr__(self, "head_dim", self.dim // self.n_heads)
-        _check_positive("head_dim", self.head_dim)
+        check_positive("head_dim", self.head_dim)
         self._check_rope()
         if self.n_kv_heads is not None:
-            _check_positive("n_kv_heads", self.n_kv_heads)
+            check_positive("n_kv_heads", self.n_kv_heads)
         if self.ffn_dim is not None:
-            _check_positive("ffn_dim", self.ffn_dim)
-        _check_choice("mlp", self.mlp, tuple(MLPS))
-        _check_choice("norm", self.norm, tuple(NORMS))
-        _check_choice("norm_cast", self.norm_cast, NORM_CASTS)
-        _check_choice("placement", self.placement, tuple(PLACEMENTS))
-        _check_choice("qk_norm", self.qk_norm, QK_NORMS)
-        _check_choice("final_norm", self.final_norm, FINAL_NORMS)
-        _check_choice("init", self.init, INITS)
-        _check_choice("kernels", self.kernels, KERNELS)
-        _check_choice("parametrization", self.parametrization, PARAMETRIZATIONS)
-        _check_positive("mup_base_width", self.mup_base_width)
+            check_positive("ffn_dim", self.ffn_dim)
+        check_choice("mlp", self.mlp, tuple(MLPS))
+        check_choice("norm", self.norm, tuple(NORMS))
+        check_choice("norm_cast", self.norm_cast, NORM_CASTS)
+        check_choice("placement", self.placement, tuple(PLACEMENTS))
+        check_choice("qk_norm", self.qk_norm, QK_NORMS)
+        check_choice("final_norm", self.final_norm, FINAL_NORMS)
+        check_choice("init", self.init, INITS)
+        check_choice("kernels", self.kernels, KERNELS)
+        check_choice("parametrization", self.parametrization, PARAMETRIZATIONS)
+        check_positive("mup_base_width", self.mup_base_width)
         if self.mup_base_head_dim is not None:
-            _check_positive("mup_base_head_dim", self.mup_base_head_dim)
+            check_positive("mup_base_head_dim", self.mup_base_head_dim)
         elif self.parametrization == "mup":
             self._check_mup_head_dim()
         if self.head_dim % 2:
@@ -150,8 +133,8 @@ class ModelConfig:
             )
         if self.norm_eps <= 0 or self.init_std <= 0 or self.rope_theta <= 0:
             raise ValueError("ModelConfig.norm_eps, init_std and rope_theta must be positive")
-        self._check_dyt_alpha()
-        self._check_stream()
+        check_dyt_alpha(self)
+        check_stream(self)
         for name in ("logit_softcap", "attn_softcap"):
             cap = getattr(self, name)
             if cap is not None and (isinstance(cap, bool) or not isinstance(cap, (int, float)) or cap <= 0):
@@ -159,39 +142,6 @@ class ModelConfig:
         if self.norm_offset and (self.norm != "rmsnorm" or not self.norm_affine):
             raise ValueError("ModelConfig.norm_offset=True is only defined for norm='rmsnorm' with norm_affine=True "
                              "(a Gemma-style gain)")
-
-    def _check_dyt_alpha(self) -> None:
-        alpha = self.dyt_alpha
-        values = alpha.values() if isinstance(alpha, dict) else [alpha]
-        if (isinstance(alpha, dict) and set(alpha) != set(NORM_SITES)) or not all(_is_positive(v) for v in values):
-            raise ValueError(f"ModelConfig.dyt_alpha={alpha!r} must be a positive number or a mapping of each of "
-                             f"{list(NORM_SITES)} to one (a per-location α₀)")
-
-    def _check_stream(self) -> None:
-        """The residual-stream fields (model/residual.py): one line naming the field and its valid values."""
-        if self.placement_mlp is not None:
-            _check_choice("placement_mlp", self.placement_mlp, tuple(PLACEMENTS))
-        _check_choice("branch_scale", self.branch_scale, BRANCH_SCALES)
-        for name, word in (("residual_scale", "deepnorm"), ("embed_scale", "sqrt_dim")):
-            value = getattr(self, name)
-            if value != word and not _is_positive(value):
-                raise ValueError(f"ModelConfig.{name}={value!r} is not valid; give a positive number or {word!r}")
-        if not _is_real(self.branch_scale_init) or not math.isfinite(self.branch_scale_init):
-            raise ValueError(f"ModelConfig.branch_scale_init={self.branch_scale_init!r} must be a finite number")
-        if not _is_real(self.mix_ln) or not 0 <= self.mix_ln < 1:
-            raise ValueError(f"ModelConfig.mix_ln={self.mix_ln!r} must be a fraction in [0, 1) (0: off; Mix-LN: 0.25)")
-        if self.mix_ln and not self.n_post_layers:
-            raise ValueError(f"ModelConfig.mix_ln={self.mix_ln} puts ⌊{self.mix_ln}·{self.n_layers}⌋ = 0 layers in "
-                             f"post-norm; use 0 (off) or at least 1/n_layers = {1 / self.n_layers:.4g}")
-        reads_norm = {p for a_m in map(self.sublayer_placements, range(self.n_layers)) for p in a_m
-                      if "norm_in" in PLACEMENTS[p].norms}
-        if self.norm_depth_scale and not reads_norm:
-            raise ValueError("ModelConfig.norm_depth_scale=True scales the pre-norm output (norm_in), and no sublayer "
-                             f"of this model has one; use a placement with a pre-norm: "
-                             f"{[n for n, p in PLACEMENTS.items() if 'norm_in' in p.norms]}")
-        if self.parametrization == "mup" and self.embed_scale == "sqrt_dim":
-            raise ValueError("ModelConfig.embed_scale='sqrt_dim' grows the embeddings with the width, which "
-                             "parametrization='mup' keeps Θ(1); give a number (a width-independent multiplier)")
 
     def _check_mup_head_dim(self) -> None:
         """μP's attention scale needs the base model's head dim; derived from the base width only when the head
@@ -207,9 +157,9 @@ class ModelConfig:
                              "or set mup_base_head_dim)")
 
     def _check_rope(self) -> None:
-        _check_choice("rope_type", self.rope_type, ROPE_TYPES)
+        check_choice("rope_type", self.rope_type, ROPE_TYPES)
         if self.rope_type == "llama3":
-            _check_positive("rope_original_max_seq_len", self.rope_original_max_seq_len)
+            check_positive("rope_original_max_seq_len", self.rope_original_max_seq_len)
             if not 0 < self.rope_low_freq_factor < self.rope_high_freq_factor or self.rope_factor <= 0:
                 raise ValueError(f"ModelConfig rope_type='llama3' needs rope_factor > 0 and 0 < "
                                  f"rope_low_freq_factor ({self.rope_low_freq_factor}) < rope_high_freq_factor "

@@ -40,11 +40,11 @@ if TYPE_CHECKING:
 class Norm(nn.Module):
     """Base: normalize over the last dim. `forward(x, residual=...)` fuses the residual add when given."""
 
+    param_kinds: dict[str, str] = {}  # {parameter attribute: optimizer kind}, for those that need their own group
+
     def __init__(self, dim: int, eps: float, kernels: str = "auto") -> None:
         super().__init__()
         self.dim, self.eps, self.kernels = dim, eps, kernels
-
-    param_kinds: dict[str, str] = {}
 
     @classmethod
     def from_config(cls, cfg: ModelConfig, dim: int, where: str = "attn") -> Norm:
@@ -108,7 +108,8 @@ class RMSNorm(Norm):
 class ScalarRMSNorm(RMSNorm):
     """y = x / sqrt(mean(x²) + eps) · g with one scalar g per norm: Single-Scale RMSNorm (SSNorm; Park et al. 2025,
     "Outlier-Safe Pre-Training", arXiv 2506.19697; the authors' code is Flax's `RMSNorm(feature_axes=())`, g = 1 at
-    init). The fused kernels normalize without a gain; g multiplies after their cast (identical in fp32)."""
+    init). The fused kernels normalize without a gain and g multiplies after their cast: identical in fp32; below
+    it the output keeps the input's dtype whatever `cast` says (a 0-d fp32 gain does not promote a bf16 tensor)."""
 
     @staticmethod
     def gain_shape(dim: int) -> tuple[int, ...]:

@@ -11,6 +11,7 @@ import torch
 
 from model import ModelConfig, Transformer
 from model.norms import NORMS, Derf, Norm, ScalarRMSNorm, build_norm
+from model.probes import record
 from model.residual import PLACEMENTS, Stream
 from model.rope import rope_cos_sin
 from tests.helpers.fields import ALPHA_BY_SITE
@@ -73,6 +74,21 @@ def test_placement_with_the_stream_scalars_equals_its_formula(name, branch):
                     torch.autograd.grad((want * upstream).sum(), inputs), strict=True):
         assert torch.allclose(a, b, atol=1e-10)
     assert torch.autograd.gradcheck(lambda x, p: placement(Stream(x, p), f).value(), (x, pending), fast_mode=True)
+
+
+def test_probes_report_the_update_beside_the_scaled_stream():
+    """The residual probes' update is what joins the stream, g·f(N(x)), not new − x (which would add (α − 1)·x)."""
+    torch.manual_seed(0)
+    model = Transformer(tiny_config(residual_scale=1.5, branch_scale="vector", branch_scale_init=0.5))
+    tokens = torch.randint(0, 97, (2, 8))
+    with record(model) as rec:
+        model(tokens)
+    layer, cos_sin = model.layers[0], rope_cos_sin(8, model.cfg.head_dim, model.cfg.rope_theta)
+    with torch.no_grad():
+        x = model.embed(tokens).double()
+        update = layer.attn_res.branch_scale * layer.attn(rms64(x, layer.attn_res.norm_in.weight).float(), *cos_sin)
+    want = update.double().pow(2).mean(-1).sqrt().mean().item()
+    assert rec.scalars()["resid/update_rms/attn/L0"] == pytest.approx(want, rel=1e-5)
 
 
 def test_deepnorm_is_deepnets_decoder_only_alpha_and_beta():
@@ -252,6 +268,8 @@ def test_single_scale_rmsnorm_has_one_gain(kernels):
     assert torch.allclose(norm(x).double(), want, atol=1e-6)
     assert torch.allclose(x.grad.double(), x64.grad, atol=1e-5) and norm.weight.grad.item() == pytest.approx(
         g64.grad.item(), rel=1e-5)
+    for cast in ("llama", "gemma"):  # a 0-d fp32 gain keeps bf16 activations bf16
+        assert ScalarRMSNorm(16, cast=cast)(x.detach().bfloat16()).dtype == torch.bfloat16
 
 
 @pytest.mark.parametrize("kind", ["dyt", "derf"])

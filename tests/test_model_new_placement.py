@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from model import Transformer
-from model.config import ModelConfig
+from model.config import INITS, QK_NORMS, ModelConfig
 from model.norms import NORMS
 from model.residual import PLACEMENTS, Placement, Sublayer
 from tests.helpers.model import tiny_config
-from tests.test_model_matrix import check_variant, covering
+from tests.test_model_matrix import check_variant
 from tests.test_model_probes import check_probes_cover_every_layer, check_residual_probes_match_float64
 from tests.test_model_structure import check_blocks_equal_formulas, check_placement
 from tests.test_training_hooks import STEPS, _fit_with_hook
@@ -62,9 +62,9 @@ def test_it_trains_a_lightning_step_with_probes(deepnorm, tmp_path):
 @pytest.mark.parametrize("norm", sorted(NORMS))
 def test_the_registry_checks_cover_it(deepnorm, norm):
     check_placement(deepnorm, norm)
-    for variant in covering(sorted(NORMS), [deepnorm]):  # with the matrix's rotation of qk_norm over the inits
-        if variant[0] == norm:
-            check_variant(*variant)
+    # one matrix case per norm, qk_norm and init rotating so that each of their values is met
+    i = sorted(NORMS).index(norm)
+    check_variant(norm, deepnorm, QK_NORMS[i % len(QK_NORMS)], INITS[i % len(INITS)])
 
 
 def test_the_block_and_probe_checks_cover_it(deepnorm):

@@ -23,7 +23,8 @@ one read of the stream). `forward(stream, f)` is that fused form; by default it 
 and applies `formula`, and pre and sandwich override it to fuse.
 
 `param_kinds` ({parameter attribute: kind}) tells the optimizer which parameters form a group of their own:
-`branch_scale` (its own learning rate and no weight decay; a scalar or vector never goes to Muon).
+`branch_scale` (its own learning rate and no weight decay; a scalar or vector never goes to Muon). An attribute
+that is None (no branch scale) is no parameter and has no kind.
 """
 from __future__ import annotations
 
@@ -153,8 +154,9 @@ class OutputNorm(Placement):
 
 
 class NoNorm(Placement):
-    """α·x + g·f(x) — no norm around the sublayer: HybridNorm's attention, whose norms sit inside it on Q, K and V
-    (Zhuo et al. 2025), or ReZero's x + g·f(x) (with `branch_scale: scalar`, init 0)."""
+    """α·x + g·f(x) — no norm around the sublayer: HybridNorm's MLP once the norm it reads through is counted as
+    the attention's post-norm (Zhuo et al. 2025; docs/research-options.md), or ReZero's x + g·f(x) (with
+    `branch_scale: scalar`, init 0)."""
 
     def formula(self, x: torch.Tensor, f: Sublayer) -> torch.Tensor:
         return self.skip(x) + self.branch(f(x))

@@ -95,8 +95,8 @@ class Attention(nn.Module):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.kv_heads, cfg.head_dim
         q_dim, kv_dim = cfg.n_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
-        self.q_proj = Linear(cfg.dim, q_dim, cfg.bias, init_std(cfg, "in", layer_id, (cfg.dim, q_dim)))
-        self.k_proj = Linear(cfg.dim, kv_dim, cfg.bias, init_std(cfg, "in", layer_id, (cfg.dim, kv_dim)))
+        self.q_proj = Linear(cfg.dim, q_dim, cfg.bias, init_std(cfg, "qk", layer_id, (cfg.dim, q_dim)))
+        self.k_proj = Linear(cfg.dim, kv_dim, cfg.bias, init_std(cfg, "qk", layer_id, (cfg.dim, kv_dim)))
         self.v_proj = Linear(cfg.dim, kv_dim, cfg.bias, init_std(cfg, "in", layer_id, (cfg.dim, kv_dim)))
         # o_proj writes to the residual stream
         self.o_proj = Linear(q_dim, cfg.dim, cfg.bias, init_std(cfg, "out", layer_id, (q_dim, cfg.dim)))

@@ -1,4 +1,4 @@
-"""One Transformer block: attention then MLP, each wrapped by the configured norm placement."""
+"""One Transformer block: attention then MLP, each wrapped by its norm placement (`cfg.sublayer_placements`)."""
 from __future__ import annotations
 
 import torch
@@ -22,7 +22,9 @@ class Block(nn.Module):
         super().__init__()
         self.layer_id = layer_id
         self.attn, self.mlp = Attention(cfg, layer_id), MLPS[cfg.mlp](cfg, layer_id)
-        self.attn_res, self.mlp_res = PLACEMENTS[cfg.placement](cfg), PLACEMENTS[cfg.placement](cfg)
+        attn_res, mlp_res = cfg.sublayer_placements(layer_id)
+        self.attn_res = PLACEMENTS[attn_res](cfg, layer_id, "attn")
+        self.mlp_res = PLACEMENTS[mlp_res](cfg, layer_id, "mlp")
 
     def forward(self, stream: Stream, cos: torch.Tensor, sin: torch.Tensor, cache: LayerCache | None = None,
                 doc_mask: DocumentMask | None = None) -> Stream:

@@ -7,14 +7,16 @@ the fields below.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any
 
 from model.mlp import MLPS  # the MLP registry: valid names, matrices per MLP
 from model.mup import PARAMETRIZATIONS  # standard | mup: see model/mup.py
 from model.norms import NORMS  # the norm registry: valid names, parameters per norm
-from model.residual import PLACEMENTS  # the placement registry: valid names, norms per block, final norm
+from model.residual import PLACEMENTS  # the placement registry: valid names, norms per sublayer, final norm
 from model.rope import RopeScaling
+from model.validation import check_choice, check_dyt_alpha, check_positive, check_stream
 
 NORM_CASTS = ("llama", "gemma")
 QK_NORMS = ("none", "head", "full")
@@ -37,16 +39,6 @@ PRESETS: dict[str, dict[str, Any]] = {
     # The original Transformer (Vaswani et al. 2017) / BERT: post-norm LayerNorm.
     "post": dict(norm="layernorm", placement="post", qk_norm="none", bias=True),
 }
-
-
-def _check_choice(name: str, value: Any, valid: tuple) -> None:
-    if value not in valid:
-        raise ValueError(f"ModelConfig.{name}={value!r} is not valid; choose one of {list(valid)}")
-
-
-def _check_positive(name: str, value: Any) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise ValueError(f"ModelConfig.{name}={value!r} must be a positive integer")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -74,12 +66,26 @@ class ModelConfig:
     mlp: str = "swiglu"  # swiglu | relu | gelu: see model/mlp.py
     norm: str = "rmsnorm"
     norm_eps: float = 1e-5
-    dyt_alpha: float = 0.5  # norm="dyt": the initial α of γ·tanh(α x) + β (Zhu et al. 2025's default)
+    # norm="dyt"/"derf": the initial α of γ·tanh(α x) + β / γ·erf(α x + s) + β (0.5: Zhu et al. 2025's default); or
+    # per location {attn, mlp, final} as the DyT authors' LLaMA recipe (7B: 0.8, 0.2, 0.2; model/norms.py)
+    dyt_alpha: float | dict[str, float] = 0.5
     norm_offset: bool = False  # Gemma-style gain: stored as w, applied as (1 + w)
     norm_cast: str = "llama"
     placement: str = "pre"
     qk_norm: str = "none"
-    final_norm: str | bool = "auto"  # auto: whatever the placement needs
+    final_norm: str | bool = "auto"  # auto: whatever the top layer's MLP placement needs
+    norm_affine: bool = True  # False: every norm without its gain and bias (weightless; model/norms.py)
+    # ---- the residual stream: scalars and per-sublayer / per-depth placements (model/residual.py) ----
+    # α: each sublayer's stream term is α·x (pre: α·x + f(N(x)), post: N(α·x + f(x)), ...). "deepnorm": DeepNet's
+    # decoder-only α = (2L)^¼, with the v/o/MLP init × β = (8L)^-¼ (Wang et al. 2022, arXiv 2203.00555)
+    residual_scale: float | str = 1.0
+    branch_scale: str = "none"  # none | scalar | vector: a learnable g on each sublayer's update before the add
+    branch_scale_init: float = 0.0  # g at init: 0 is ReZero/SkipInit; LayerScale's ε: 0.1 up to 18 layers, then 1e-5…
+    norm_depth_scale: bool = False  # LayerNorm Scaling (Sun et al. 2025): layer l's pre-norm output × 1/√l
+    placement_mlp: str | None = None  # the MLP sublayer's placement; None: `placement` (HybridNorm: post + none)
+    mix_ln: float = 0.0  # Mix-LN (Li et al. 2024): the lowest ⌊mix_ln·L⌋ layers post-norm (the paper's α: 0.25)
+    embed_norm: bool = False  # a norm on the token embeddings (BLOOM; OLMo-core's Peri-LN ladder)
+    embed_scale: float | str = 1.0  # the token embeddings × this; "sqrt_dim": × √dim (Gemma)
     init: str = "normal"
     init_std: float = 0.02
     kernels: str = "auto"  # which norm implementation runs: see model/kernels
@@ -93,30 +99,30 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "dim", "n_layers", "n_heads", "max_seq_len"):
-            _check_positive(name, getattr(self, name))
+            check_positive(name, getattr(self, name))
         if self.head_dim is None:  # resolved here, so the saved config always states the width it ran with
             if self.dim % self.n_heads:
                 raise ValueError(f"ModelConfig.dim={self.dim} must be divisible by n_heads={self.n_heads} "
                                  "(or give head_dim)")
             object.__setattr__(self, "head_dim", self.dim // self.n_heads)
-        _check_positive("head_dim", self.head_dim)
+        check_positive("head_dim", self.head_dim)
         self._check_rope()
         if self.n_kv_heads is not None:
-            _check_positive("n_kv_heads", self.n_kv_heads)
+            check_positive("n_kv_heads", self.n_kv_heads)
         if self.ffn_dim is not None:
-            _check_positive("ffn_dim", self.ffn_dim)
-        _check_choice("mlp", self.mlp, tuple(MLPS))
-        _check_choice("norm", self.norm, tuple(NORMS))
-        _check_choice("norm_cast", self.norm_cast, NORM_CASTS)
-        _check_choice("placement", self.placement, tuple(PLACEMENTS))
-        _check_choice("qk_norm", self.qk_norm, QK_NORMS)
-        _check_choice("final_norm", self.final_norm, FINAL_NORMS)
-        _check_choice("init", self.init, INITS)
-        _check_choice("kernels", self.kernels, KERNELS)
-        _check_choice("parametrization", self.parametrization, PARAMETRIZATIONS)
-        _check_positive("mup_base_width", self.mup_base_width)
+            check_positive("ffn_dim", self.ffn_dim)
+        check_choice("mlp", self.mlp, tuple(MLPS))
+        check_choice("norm", self.norm, tuple(NORMS))
+        check_choice("norm_cast", self.norm_cast, NORM_CASTS)
+        check_choice("placement", self.placement, tuple(PLACEMENTS))
+        check_choice("qk_norm", self.qk_norm, QK_NORMS)
+        check_choice("final_norm", self.final_norm, FINAL_NORMS)
+        check_choice("init", self.init, INITS)
+        check_choice("kernels", self.kernels, KERNELS)
+        check_choice("parametrization", self.parametrization, PARAMETRIZATIONS)
+        check_positive("mup_base_width", self.mup_base_width)
         if self.mup_base_head_dim is not None:
-            _check_positive("mup_base_head_dim", self.mup_base_head_dim)
+            check_positive("mup_base_head_dim", self.mup_base_head_dim)
         elif self.parametrization == "mup":
             self._check_mup_head_dim()
         if self.head_dim % 2:
@@ -125,14 +131,17 @@ class ModelConfig:
             raise ValueError(
                 f"ModelConfig.n_heads={self.n_heads} must be a multiple of n_kv_heads={self.kv_heads} (GQA groups)"
             )
-        if self.norm_eps <= 0 or self.init_std <= 0 or self.rope_theta <= 0 or self.dyt_alpha <= 0:
-            raise ValueError("ModelConfig.norm_eps, init_std, rope_theta and dyt_alpha must be positive")
+        if self.norm_eps <= 0 or self.init_std <= 0 or self.rope_theta <= 0:
+            raise ValueError("ModelConfig.norm_eps, init_std and rope_theta must be positive")
+        check_dyt_alpha(self)
+        check_stream(self)
         for name in ("logit_softcap", "attn_softcap"):
             cap = getattr(self, name)
             if cap is not None and (isinstance(cap, bool) or not isinstance(cap, (int, float)) or cap <= 0):
                 raise ValueError(f"ModelConfig.{name}={cap!r} must be a positive number or None (off)")
-        if self.norm_offset and self.norm != "rmsnorm":
-            raise ValueError("ModelConfig.norm_offset=True is only defined for norm='rmsnorm' (Gemma-style gain)")
+        if self.norm_offset and (self.norm != "rmsnorm" or not self.norm_affine):
+            raise ValueError("ModelConfig.norm_offset=True is only defined for norm='rmsnorm' with norm_affine=True "
+                             "(a Gemma-style gain)")
 
     def _check_mup_head_dim(self) -> None:
         """μP's attention scale needs the base model's head dim; derived from the base width only when the head
@@ -148,9 +157,9 @@ class ModelConfig:
                              "or set mup_base_head_dim)")
 
     def _check_rope(self) -> None:
-        _check_choice("rope_type", self.rope_type, ROPE_TYPES)
+        check_choice("rope_type", self.rope_type, ROPE_TYPES)
         if self.rope_type == "llama3":
-            _check_positive("rope_original_max_seq_len", self.rope_original_max_seq_len)
+            check_positive("rope_original_max_seq_len", self.rope_original_max_seq_len)
             if not 0 < self.rope_low_freq_factor < self.rope_high_freq_factor or self.rope_factor <= 0:
                 raise ValueError(f"ModelConfig rope_type='llama3' needs rope_factor > 0 and 0 < "
                                  f"rope_low_freq_factor ({self.rope_low_freq_factor}) < rope_high_freq_factor "
@@ -169,6 +178,32 @@ class ModelConfig:
     def head_dim_follows_width(self) -> bool:
         """True when head_dim is dim / n_heads (the default), so it changes with dim and n_heads."""
         return self.head_dim == self.dim // self.n_heads and not self.dim % self.n_heads
+
+    @property
+    def n_post_layers(self) -> int:
+        """Mix-LN's post-norm layers, the lowest ⌊mix_ln·L⌋ (the ε keeps 0.3·10 = 3.0000000000000004 at 3)."""
+        return math.floor(self.mix_ln * self.n_layers + 1e-9)
+
+    def sublayer_placements(self, layer_id: int) -> tuple[str, str]:
+        """The placements (names in PLACEMENTS) of layer `layer_id`'s attention and MLP sublayers."""
+        if layer_id < self.n_post_layers:
+            return "post", "post"
+        return self.placement, self.placement_mlp or self.placement
+
+    @property
+    def residual_alpha(self) -> float:
+        """α on the stream term of every sublayer: `residual_scale`, or DeepNet's decoder-only (2L)^¼."""
+        return (2 * self.n_layers) ** 0.25 if self.residual_scale == "deepnorm" else float(self.residual_scale)
+
+    @property
+    def deepnorm_beta(self) -> float | None:
+        """DeepNet's decoder-only β = (8L)^-¼ on the value, output and MLP matrices' init; None without it."""
+        return (8 * self.n_layers) ** -0.25 if self.residual_scale == "deepnorm" else None
+
+    @property
+    def embed_multiplier(self) -> float:
+        """The token embeddings' multiplier: `embed_scale`, or √dim for "sqrt_dim"."""
+        return math.sqrt(self.dim) if self.embed_scale == "sqrt_dim" else float(self.embed_scale)
 
     @property
     def kv_heads(self) -> int:
@@ -216,11 +251,13 @@ class ModelConfig:
         n_in = MLPS[self.mlp].n_matrices - 1  # matrices reading the input (gate and up, or up)
         mlp = (n_in + 1) * d * self.hidden_dim + b * (n_in * self.hidden_dim + d)
         norm_params = NORMS[self.norm].num_params
-        per_block_norms = 2 * PLACEMENTS[self.placement].n_norms * norm_params(self, d)  # a placement per sublayer
         qk = {"none": 0, "head": 2 * norm_params(self, hd), "full": norm_params(self, q) + norm_params(self, kv)}[
             self.qk_norm]
-        blocks = L * (attn + mlp + per_block_norms + qk)
-        final = norm_params(self, d) if self.has_final_norm else 0
+        branch = {"none": 0, "scalar": 1, "vector": d}[self.branch_scale]
+        placements = [p for i in range(L) for p in self.sublayer_placements(i)]  # one per sublayer
+        norms = sum(len(PLACEMENTS[p].norms) for p in placements) * norm_params(self, d) + branch * len(placements)
+        blocks = L * (attn + mlp + qk) + norms
+        final = norm_params(self, d) * (self.has_final_norm + self.embed_norm)
         emb = self.vocab_size * d
         head = 0 if self.tie_embeddings else self.vocab_size * d
         total = blocks + final + emb + head
@@ -228,8 +265,8 @@ class ModelConfig:
 
     @property
     def has_final_norm(self) -> bool:
-        if self.final_norm == "auto":  # the placement knows whether it needs one
-            return PLACEMENTS[self.placement].needs_final_norm
+        if self.final_norm == "auto":  # the top layer's MLP placement knows whether it needs one
+            return PLACEMENTS[self.sublayer_placements(self.n_layers - 1)[1]].needs_final_norm
         return bool(self.final_norm)
 
     def flops_per_token(self, seq_len: int) -> float:

@@ -6,6 +6,7 @@ works without it.
 """
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -47,6 +48,11 @@ _PRE_NORM_NAMES = {
 }
 _STRUCTURE = dict(norm="rmsnorm", norm_offset=False, mlp="swiglu", logit_softcap=None, attn_softcap=None,
                   has_final_norm=True)
+# The residual-stream fields (model/residual.py): transformers' families have none of them.
+_STRUCTURE.update(norm_affine=True, residual_scale=1.0, branch_scale="none", norm_depth_scale=False,
+                  placement_mlp=None, mix_ln=0.0, embed_norm=False, embed_scale=1.0)
+
+_FIELDS = {f.name for f in dataclasses.fields(ModelConfig)}
 
 FAMILIES: dict[str, Family] = {
     "llama": Family("llama", "LlamaConfig", "LlamaForCausalLM",
@@ -64,6 +70,8 @@ FAMILIES: dict[str, Family] = {
 
 
 def _value(cfg: ModelConfig, name: str) -> Any:
+    if name == "placement_mlp" and cfg.placement_mlp == cfg.placement:
+        return None  # the same model as None (the MLP follows `placement`)
     return getattr(cfg, name)
 
 
@@ -72,6 +80,7 @@ def hf_family(cfg: ModelConfig) -> Family:
     best, best_misses = None, None
     for fam in FAMILIES.values():
         misses = [k for k, v in fam.requires.items() if _value(cfg, k) != v]
+        misses.sort(key=lambda k: k not in _FIELDS)  # a field before what follows from it (has_final_norm)
         if not misses:
             return fam
         if best_misses is None or len(misses) < len(best_misses):

@@ -9,7 +9,7 @@ multipliers" form the `mup` package ships):
 |---------------------------------------|--------------|-----------------------------------------|-----------------|
 | hidden matrices (q/k/v/o, MLP) init σ | σ            | σ / √m  (∝ 1/√fan_in)                   | init.py         |
 | hidden matrices' Adam LR              | lr           | lr / m                                  | training/optim  |
-| embedding, norm gains, DyT α, biases  | σ, lr        | σ, lr  (vector-like: unchanged)         |                 |
+| embedding, gains, α/s, g, biases      | σ, lr        | σ, lr  (vector-like: unchanged)         |                 |
 | LM head (readout)                     | logits = W h | logits = W h / m  (init σ, lr: as is)   | transformer.py  |
 | attention scores                      | q·k / √D     | q·k · √D₀ / D  (1/D; equal at the base) | attention.py    |
 
@@ -20,7 +20,10 @@ with an explicit `head_dim` (≠ dim / n_heads) must say how its head dim scales
 its own head_dim when the head dim stays fixed as the width grows (more heads, as in the Qwen3 family — then
 √D₀/D = 1/√D at every width, nothing grows inside a head), or the base model's head dim when it grows with the
 width. A default either way would be wrong for the other family, so the config refuses to guess.
-`xavier` init is already fan-based and is left as is.
+`xavier` init is already fan-based and is left as is. "gains, α/s, g": norm gains (also `rmsnorm_scalar`'s one),
+DyT's/Derf's α and s, the branch scales g (model/residual.py). The residual-stream fields are width-independent
+constants (α, DeepNet's β, LayerNorm Scaling's 1/√l, Mix-LN's and `placement_mlp`'s placements, a numeric
+`embed_scale`), so μP covers them as they are; `embed_scale: sqrt_dim` grows with the width and is refused.
 Muon-driven matrices keep Muon's own shape scaling (its update has a fixed spectral norm; Bernstein's spectral
 condition), so μP's 1/m LR factor applies to AdamW-driven hidden matrices only.
 """
@@ -78,14 +81,15 @@ def to_standard(model: Transformer) -> Transformer:
     a scaled projection). The model itself is not changed; a standard model is returned as it is.
 
     Raises ValueError for tied embeddings (the head is the embedding there: scaling it would change the input)
-    and for an offset query-norm gain.
+    and for an offset or absent (`norm_affine=False`) query-norm gain.
     """
     cfg = model.cfg
     if cfg.parametrization != "mup":
         return model
-    if cfg.tie_embeddings or (cfg.norm_offset and cfg.qk_norm != "none"):
+    fixed_gain = cfg.norm_offset or not cfg.norm_affine  # an offset (1 + w) gain, or none at all
+    if cfg.tie_embeddings or (fixed_gain and cfg.qk_norm != "none"):
         why = "its logit multiplier would have to scale the shared embedding" if cfg.tie_embeddings else \
-            "the attention scale cannot be folded into an offset (1 + w) query-norm gain"
+            "the attention scale cannot be folded into an offset (1 + w) or weightless query norm"
         raise ValueError(f"this μP model cannot be written as a standard one ({why}); export with --format "
                          "safetensors to keep normlab's own format")
     with torch.device("meta"):  # type(model): the Transformer class, without importing model.transformer here

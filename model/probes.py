@@ -156,8 +156,9 @@ def gain_tags(model: nn.Module) -> dict[str, tuple[str, bool]]:
         if not isinstance(module, Norm) or not isinstance(getattr(module, "weight", None), nn.Parameter):
             continue
         parts = split_layer(name.replace("_orig_mod.", "") + ".")
-        if parts is None:
-            suffix = "final" if name.endswith("norm") else name.replace(".", "_")
+        if parts is None:  # the final norm, or another outside the blocks (the embedding norm: `embed_norm`)
+            bare = name.replace("_orig_mod.", "")
+            suffix = "final" if bare == "norm" else bare.replace(".", "_")
         else:
             role = parts[2].rstrip(".").replace("_res.norm_", "_").removeprefix("attn.").removesuffix("_norm")
             suffix = f"{role}/L{parts[1]}"
@@ -283,8 +284,8 @@ def _observe_block(rec: Recorder, layer: int, block: nn.Module) -> list[Removabl
 
         def after(m: nn.Module, args: tuple, out, name: str = name) -> None:
             stream, new = seen.pop("stream"), out.value()
-            # What the sublayer adds to the stream; under post-norm the sum is renormalized, so it is f(x) itself.
-            update = new - stream if m.adds_to_stream else seen.pop("out")
+            # What the sublayer adds to the (α-scaled) stream; under post-norm the sum is renormalized, so f(x) itself.
+            update = new - m.skip(stream) if m.adds_to_stream else seen.pop("out")
             rec.sublayer(layer, name, stream=stream, read=seen.pop("read"), update=update)
             seen.pop("out", None)
 

@@ -23,9 +23,12 @@ class Transformer(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.tok_embeddings = Embedding(cfg.vocab_size, cfg.dim, init_std(cfg, "embed"))
+        # h₀ = N(s·E[t]): Gemma's √dim multiplier s, then BLOOM's / OLMo-core's embedding norm (OLMo-core's order)
+        self.embed_scale = cfg.embed_multiplier
+        self.embed_norm = build_norm(cfg, where="final") if cfg.embed_norm else None
         self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
         # Pre-norm leaves the stream unnormalized, so it needs a final norm before the head; post-norm doesn't.
-        self.norm = build_norm(cfg) if cfg.has_final_norm else None
+        self.norm = build_norm(cfg, where="final") if cfg.has_final_norm else None
         self.output = None if cfg.tie_embeddings else Linear(cfg.dim, cfg.vocab_size, False, init_std(cfg, "head"))
         self.activation_checkpointing = False  # recompute each block in backward (set by model.optimize)
 
@@ -65,7 +68,7 @@ class Transformer(nn.Module):
                 raise ValueError(f"position_ids {tuple(position_ids.shape)} must have the shape of tokens {(B, T)}")
             cos, sin = rope_cos_sin_at(position_ids, self.cfg.head_dim, self.cfg.rope_theta, self.cfg.rope_scaling)
             doc_mask = DocumentMask.from_positions(position_ids, self.cfg.attn_softcap)
-        stream = Stream(self.tok_embeddings(tokens))
+        stream = Stream(self.embed(tokens))
         for i, layer in enumerate(self.layers):
             if self.activation_checkpointing and torch.is_grad_enabled():
                 stream = checkpoint(layer, stream, cos, sin, None, doc_mask, use_reentrant=False)
@@ -74,6 +77,13 @@ class Transformer(nn.Module):
         if self.norm is None:
             return stream.value()
         return stream.normalized(self.norm)[0]
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The stream entering the first block [B, T, dim]: N(s·E[tokens]), s and N only where configured."""
+        h = self.tok_embeddings(tokens)
+        if self.embed_scale != 1.0:
+            h = h * self.embed_scale
+        return h if self.embed_norm is None else self.embed_norm(h)
 
     def forward(self, tokens: torch.Tensor, cache: list[LayerCache] | None = None,
                 targets: torch.Tensor | None = None, loss_chunk_size: int = 1024, z_loss: float = 0.0,

@@ -87,6 +87,26 @@ def test_research_options_reach_the_config(capsys):
     assert config["optim"]["schedule"] == "wsd" and config["optim"]["decay_fraction"] == 0.1
 
 
+STREAM_FLAGS = {  # (field, command-line text, parsed value): every stream field at once, then the unions' numbers
+    "words": [("norm", "derf", "derf"), ("dyt_alpha", "{attn: 0.8, mlp: 0.2, final: 0.2}",
+                                         {"attn": 0.8, "mlp": 0.2, "final": 0.2}),
+              ("residual_scale", "deepnorm", "deepnorm"), ("branch_scale", "vector", "vector"),
+              ("branch_scale_init", "1e-5", 1e-5), ("norm_depth_scale", "true", True),
+              ("placement_mlp", "none", "none"), ("mix_ln", "0.25", 0.25), ("embed_norm", "true", True),
+              ("embed_scale", "sqrt_dim", "sqrt_dim"),
+              ("norm_affine", "false", False)],
+    "numbers": [("residual_scale", "1.5", 1.5), ("embed_scale", "3", 3.0), ("dyt_alpha", "0.3", 0.3),
+                ("norm", "rmsnorm_scalar", "rmsnorm_scalar")],
+}
+
+
+@pytest.mark.parametrize("fields", STREAM_FLAGS.values(), ids=STREAM_FLAGS)
+def test_stream_fields_parse_from_the_command_line(fields, capsys):
+    cfg = _resolved_model(print_config([a for f, text, _ in fields for a in (f"--model.{f}", text)], capsys))
+    for field, _, want in fields:
+        assert getattr(cfg, field) == want and type(getattr(cfg, field)) is type(want), field
+
+
 def _resolved_model(config: dict) -> ModelConfig:
     runtime = ("preset", "compile", "activation_checkpointing")
     fields = {k: v for k, v in config["model"].items() if v is not None and k not in runtime}

@@ -1,4 +1,4 @@
-"""Every combination of the registries: norm × placement × qk_norm × init.
+"""The registries' combinations: norm × placement × qk_norm × init, every triple of them in some case.
 
 New entries in NORMS / PLACEMENTS / the config's choice tuples are picked up here automatically.
 """
@@ -14,7 +14,23 @@ from model.norms import NORMS
 from model.residual import PLACEMENTS
 from tests.helpers.model import tiny_config
 
-MATRIX = list(itertools.product(sorted(NORMS), sorted(PLACEMENTS), QK_NORMS, INITS))
+
+def covering(norms: list[str], placements: list[str]) -> list[tuple[str, str, str, str]]:
+    """(norm, placement, qk_norm, init) cases in which every triple of values of three of the axes meets (a
+    strength-3 covering array): the full product norm × placement × init, with qk_norm rotating so that each
+    (norm, placement), (norm, init) and (placement, init) pair meets every qk_norm — a third of the full product."""
+    return [(norm, placement, QK_NORMS[(a + b + c) % len(QK_NORMS)], init) for a, norm in enumerate(norms)
+            for b, placement in enumerate(placements) for c, init in enumerate(INITS)]
+
+
+MATRIX = covering(sorted(NORMS), sorted(PLACEMENTS))
+
+
+def test_the_matrix_meets_every_triple_of_registry_values():
+    axes = (sorted(NORMS), sorted(PLACEMENTS), QK_NORMS, INITS)
+    for picked in itertools.combinations(range(4), 3):
+        want = set(itertools.product(*(axes[k] for k in picked)))
+        assert {tuple(case[k] for k in picked) for case in MATRIX} == want, picked
 
 
 @pytest.mark.parametrize("norm, placement, qk_norm, init", MATRIX, ids=["-".join(c) for c in MATRIX])

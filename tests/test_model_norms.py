@@ -1,5 +1,8 @@
 """The seeds' worked examples, exactly, and the LayerNorm/RMSNorm relations they state."""
+import math
+
 import pytest
+import scipy.stats
 import torch
 
 from model.config import ModelConfig
@@ -56,8 +59,15 @@ def _float64_definition(kind: str, norm, x64: torch.Tensor) -> torch.Tensor:
         return ref * norm.weight.double() + norm.bias.double()
     if kind == "rmsnorm":
         return x64 / torch.sqrt(x64.pow(2).mean(-1, keepdim=True) + 1e-6) * norm.weight.double()
+    if kind == "rmsnorm_scalar":  # one scalar gain (SSNorm)
+        assert norm.weight.shape == ()
+        return x64 / torch.sqrt(x64.pow(2).mean(-1, keepdim=True) + 1e-6) * norm.weight.double()
     if kind == "dyt":
         return norm.weight.double() * torch.tanh(norm.alpha.double() * x64) + norm.bias.double()
+    if kind == "derf":  # γ · erf(α x + s) + β, erf(z) = 2Φ(√2 z) − 1 with Φ from scipy
+        z = (norm.alpha.double() * x64 + norm.shift.double()).detach().numpy()
+        return norm.weight.double() * torch.from_numpy(2 * scipy.stats.norm.cdf(math.sqrt(2) * z) - 1) \
+            + norm.bias.double()
     if kind == "none":
         return x64
     raise AssertionError(f"no float64 reference for the new norm {kind!r}: add one here")

@@ -23,6 +23,7 @@ FORMULAS = {  # the one line of math of each built-in placement, written indepen
     "post": lambda p, x, f: p.norm_out(x + f(x)),
     "sandwich": lambda p, x, f: x + p.norm_out(f(p.norm_in(x))),
     "output": lambda p, x, f: x + p.norm_out(f(x)),
+    "none": lambda p, x, f: x + f(x),
 }
 
 
@@ -34,11 +35,11 @@ def _randomize(module: torch.nn.Module) -> None:
 
 def check_placement(name: str, norm: str) -> None:
     """A placement's formula is its math (built-ins); its fused `forward` on a deferred stream computes the same;
-    it owns `n_norms` norms."""
+    it owns the norms it names."""
     torch.manual_seed(0)
     placement = PLACEMENTS[name](tiny_config(norm=norm, kernels="torch"))
     _randomize(placement)
-    assert sum(isinstance(m, Norm) for m in placement.modules()) == placement.n_norms
+    assert sum(isinstance(m, Norm) for m in placement.modules()) == len(placement.norms)
     lin = torch.nn.Linear(32, 32)
     x = torch.randn(2, 5, 32) * 4
     if name in FORMULAS:
@@ -78,7 +79,7 @@ def test_blocks_equal_the_plain_formulas(name):
 
 def test_final_norm_is_a_property_of_the_placement():
     assert {n: PLACEMENTS[n].needs_final_norm for n in FORMULAS} == {
-        "pre": True, "post": False, "sandwich": True, "output": True}
+        "pre": True, "post": False, "sandwich": True, "output": True, "none": True}
     assert Transformer(tiny_config(placement="post")).norm is None
     assert Transformer(tiny_config(placement="post", final_norm=True)).norm is not None
     assert Transformer(tiny_config(placement="pre", final_norm=False)).norm is None
@@ -254,7 +255,7 @@ def test_init_is_deterministic_and_works_on_meta_device():
 
 @pytest.mark.parametrize("field, value, fragment", [
     ("placement", "middle", "placement='middle'"),
-    ("norm", "batchnorm", "['rmsnorm', 'layernorm', 'none', 'dyt']"),
+    ("norm", "batchnorm", "['rmsnorm', 'layernorm', 'none', 'dyt', 'derf', 'rmsnorm_scalar']"),
     ("mlp", "geglu", "['swiglu', 'relu', 'gelu']"),
     ("qk_norm", "yes", "['none', 'head', 'full']"),
     ("init", "glorot", "'normal', 'scaled', 'depth', 'zero', 'xavier'"),

@@ -160,9 +160,11 @@ def test_norm_gains_after_setting_known_values(norm):
              "layers.0.attn.k_norm.weight": ("k/L0", [0.5, -4.0, 1.0, 2.0]),
              "norm.weight": ("final", [1.5] * 8)}
     params = dict(model.named_parameters())
+    if params["norm.weight"].ndim == 0:  # one scalar gain per norm (rmsnorm_scalar)
+        known = {name: (suffix, values[:1]) for name, (suffix, values) in known.items()}
     with torch.no_grad():
         for name, (_, values) in known.items():
-            params[name].copy_(torch.tensor(values))
+            params[name].copy_(torch.tensor(values).reshape(params[name].shape))
     gains = norm_gains(model)
     # every norm of the model: 4 per block (sandwich) + QK-norm's q and k, and the final norm
     assert len(gains) == 2 * (2 * 6 + 1)

@@ -22,7 +22,24 @@ class FieldCase(NamedTuple):
 
 
 # Scalars on the stream and the branches, depth-aware norms, embeddings, gains, new norm kinds.
-STREAM_CASES: list[FieldCase] = []
+ALPHA_BY_SITE = {"attn": 0.8, "mlp": 0.2, "final": 0.3}
+STREAM_CASES: list[FieldCase] = [
+    FieldCase("residual_scale", dict(residual_scale=1.5)),
+    FieldCase("residual_scale", dict(residual_scale="deepnorm", placement="post", init="xavier")),  # DeepNet
+    FieldCase("branch_scale", dict(branch_scale="scalar"), identity_at_init=True),  # ReZero: g = 0
+    FieldCase("branch_scale", dict(branch_scale="vector", branch_scale_init=0.1)),  # LayerScale
+    FieldCase("norm_depth_scale", dict(norm_depth_scale=True, placement="sandwich")),  # LayerNorm Scaling
+    FieldCase("placement_mlp", dict(placement="post", placement_mlp="none")),  # HybridNorm's residual structure
+    FieldCase("mix_ln", dict(mix_ln=0.5)),  # Mix-LN: layer 0 post-norm, layer 1 pre-norm
+    FieldCase("embed_norm", dict(embed_norm=True)),
+    FieldCase("norm", dict(norm="dyt", dyt_alpha=ALPHA_BY_SITE, embed_norm=True)),
+    FieldCase("embed_scale", dict(embed_scale=4.0)),
+    FieldCase("embed_scale", dict(embed_scale="sqrt_dim"), mup=False),  # grows with the width
+    FieldCase("norm_affine", dict(norm_affine=False, qk_norm="head")),
+    FieldCase("norm", dict(norm="derf", dyt_alpha=ALPHA_BY_SITE, norm_affine=False)),
+    FieldCase("norm", dict(norm="derf", placement="output", qk_norm="full")),
+    FieldCase("norm", dict(norm="rmsnorm_scalar", qk_norm="head")),
+]
 
 # Attention: QK-norm kinds, V-norm, sub-norms, gates, sinks.
 ATTENTION_CASES: list[FieldCase] = []

@@ -13,11 +13,13 @@ from typing import Any
 from model.mlp import MLPS  # the MLP registry: valid names, matrices per MLP
 from model.mup import PARAMETRIZATIONS  # standard | mup: see model/mup.py
 from model.norms import NORMS  # the norm registry: valid names, parameters per norm
+from model.qk_norm import QK_NORM_KINDS, QK_NORMS, qk_norm_params  # QK-norm scopes and kinds: model/qk_norm.py
 from model.residual import PLACEMENTS  # the placement registry: valid names, norms per block, final norm
 from model.rope import RopeScaling
+from model.softmax import SINKS  # attention sinks: model/softmax.py
 
 NORM_CASTS = ("llama", "gemma")
-QK_NORMS = ("none", "head", "full")
+ATTN_GATES = ("none", "head", "elementwise")
 FINAL_NORMS = ("auto", True, False)
 INITS = ("normal", "scaled", "depth", "zero", "xavier")
 KERNELS = ("auto", "triton", "torch")
@@ -78,7 +80,11 @@ class ModelConfig:
     norm_offset: bool = False  # Gemma-style gain: stored as w, applied as (1 + w)
     norm_cast: str = "llama"
     placement: str = "pre"
-    qk_norm: str = "none"
+    qk_norm: str = "none"  # none | head | full | qkv (head plus the values: HybridNorm): see model/qk_norm.py
+    qk_norm_kind: str = "auto"  # auto (the block norm) | rmsnorm | layernorm | l2 (QKNorm's unit q, k · learned g)
+    sub_norm: bool = False  # Sub-LN (Magneto): a norm before the attention output and the MLP down projection
+    attn_gate: str = "none"  # none | head | elementwise: σ(x W_g) on the attention output (Qiu et al. 2025, G1)
+    attn_sink: str = "none"  # none | learnable (gpt-oss) | off_by_one (softmax₁): a sink logit (model/softmax.py)
     final_norm: str | bool = "auto"  # auto: whatever the placement needs
     init: str = "normal"
     init_std: float = 0.02
@@ -109,7 +115,7 @@ class ModelConfig:
         _check_choice("norm", self.norm, tuple(NORMS))
         _check_choice("norm_cast", self.norm_cast, NORM_CASTS)
         _check_choice("placement", self.placement, tuple(PLACEMENTS))
-        _check_choice("qk_norm", self.qk_norm, QK_NORMS)
+        self._check_attention()
         _check_choice("final_norm", self.final_norm, FINAL_NORMS)
         _check_choice("init", self.init, INITS)
         _check_choice("kernels", self.kernels, KERNELS)
@@ -133,6 +139,23 @@ class ModelConfig:
                 raise ValueError(f"ModelConfig.{name}={cap!r} must be a positive number or None (off)")
         if self.norm_offset and self.norm != "rmsnorm":
             raise ValueError("ModelConfig.norm_offset=True is only defined for norm='rmsnorm' (Gemma-style gain)")
+
+    def _check_attention(self) -> None:
+        _check_choice("qk_norm", self.qk_norm, QK_NORMS)
+        _check_choice("qk_norm_kind", self.qk_norm_kind, QK_NORM_KINDS)
+        _check_choice("sub_norm", self.sub_norm, (False, True))
+        _check_choice("attn_gate", self.attn_gate, ATTN_GATES)
+        _check_choice("attn_sink", self.attn_sink, SINKS)
+        if self.qk_norm_kind != "auto" and self.qk_norm == "none":
+            raise ValueError(f"ModelConfig.qk_norm_kind={self.qk_norm_kind!r} needs a QK-norm: set qk_norm to one "
+                             f"of {list(QK_NORMS[1:])}")
+        if self.qk_norm_kind == "l2" and self.qk_norm != "head":
+            raise ValueError(f"ModelConfig.qk_norm_kind='l2' normalizes each head's q and k to unit length, so it "
+                             f"needs qk_norm='head' (got qk_norm={self.qk_norm!r}; a unit-length value would "
+                             "shrink by √head_dim)")
+        if self.sub_norm and self.norm == "none":
+            raise ValueError("ModelConfig.sub_norm=True uses the block norm's kind, and norm='none' is the "
+                             f"identity: choose norm from {[n for n in NORMS if n != 'none']}")
 
     def _check_mup_head_dim(self) -> None:
         """μP's attention scale needs the base model's head dim; derived from the base width only when the head
@@ -217,9 +240,10 @@ class ModelConfig:
         mlp = (n_in + 1) * d * self.hidden_dim + b * (n_in * self.hidden_dim + d)
         norm_params = NORMS[self.norm].num_params
         per_block_norms = 2 * PLACEMENTS[self.placement].n_norms * norm_params(self, d)  # a placement per sublayer
-        qk = {"none": 0, "head": 2 * norm_params(self, hd), "full": norm_params(self, q) + norm_params(self, kv)}[
-            self.qk_norm]
-        blocks = L * (attn + mlp + per_block_norms + qk)
+        sub = norm_params(self, q) + norm_params(self, self.hidden_dim) if self.sub_norm else 0
+        gate = {"none": 0, "head": self.n_heads, "elementwise": q}[self.attn_gate] * (d + b)
+        sink = self.n_heads if self.attn_sink == "learnable" else 0
+        blocks = L * (attn + mlp + per_block_norms + qk_norm_params(self) + sub + gate + sink)
         final = norm_params(self, d) if self.has_final_norm else 0
         emb = self.vocab_size * d
         head = 0 if self.tie_embeddings else self.vocab_size * d

@@ -46,7 +46,7 @@ _PRE_NORM_NAMES = {
     "layers.{i}.mlp_res.norm_in.weight": "model.layers.{i}.post_attention_layernorm.weight",
 }
 _STRUCTURE = dict(norm="rmsnorm", norm_offset=False, mlp="swiglu", logit_softcap=None, attn_softcap=None,
-                  has_final_norm=True)
+                  has_final_norm=True, qk_norm_kind="auto", sub_norm=False, attn_gate="none", attn_sink="none")
 
 FAMILIES: dict[str, Family] = {
     "llama": Family("llama", "LlamaConfig", "LlamaForCausalLM",

@@ -92,7 +92,7 @@ def to_standard(model: Transformer) -> Transformer:
         out = type(model)(cfg.replace(parametrization="standard"))
     out.load_state_dict({k: v.detach().clone() for k, v in model.state_dict().items()}, assign=True)
     out = out.to(model.head_weight.device)
-    c = attn_scale(cfg) * math.sqrt(cfg.head_dim)
+    c = model.layers[0].attn.scale / out.layers[0].attn.scale  # 1 when an l2 QK-norm's temperature holds the scale
     with torch.no_grad():
         out.output.weight.copy_(model.output.weight * output_mult(cfg))
         for layer_out, layer in zip(out.layers, model.layers, strict=True):

@@ -119,7 +119,7 @@ def max_logit_per_head(q_BHTD: torch.Tensor, k_BKSD: torch.Tensor, scale: float,
     once (B·H·rows·S ≤ budget). GQA reads each KV head in place, without repeating it per query head."""
     B, H, T, D = q_BHTD.shape
     K, S = k_BKSD.shape[1], k_BKSD.shape[2]
-    q = q_BHTD.detach().float().view(B, K, H // K, T, D)
+    q = q_BHTD.detach().float().reshape(B, K, H // K, T, D)
     kT = k_BKSD.detach().float()[:, :, None].transpose(-1, -2)  # [B, K, 1, D, S]
     if mask is None:
         mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril()

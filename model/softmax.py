@@ -110,13 +110,15 @@ def math_attention(q_BHTD: torch.Tensor, k_BKSD: torch.Tensor, v_BKSD: torch.Ten
 
 @torch.no_grad()
 def max_logit_per_head(q_BHTD: torch.Tensor, k_BKSD: torch.Tensor, scale: float, mask: torch.Tensor | None = None,
-                       budget: int = 1 << 22) -> torch.Tensor:
+                       budget: int = 1 << 20) -> torch.Tensor:
     """The exact maximum of q·k·s per query head [H] (fp32), taken over the batch, the queries and the keys each
     query sees. It is computed after the score scale and before any soft-cap; a sink logit is not a key and is
-    not included. `mask` is as in `sdpa_with_sink`.
+    not included. `mask` is as in `sdpa_with_sink`. It must be causal in the sense of every mask normlab builds:
+    query t of T sees no key past S − T + t.
 
     The scores are computed in fp32, a chunk of queries at a time, so at most about `budget` of them exist at
-    once (B·H·rows·S ≤ budget). GQA reads each KV head in place, without repeating it per query head."""
+    once (B·H·rows·S ≤ budget). A chunk reads only the keys its last row can see, and GQA reads each KV head in
+    place, without repeating it per query head."""
     B, H, T, D = q_BHTD.shape
     K, S = k_BKSD.shape[1], k_BKSD.shape[2]
     q = q_BHTD.detach().float().reshape(B, K, H // K, T, D)
@@ -127,7 +129,8 @@ def max_logit_per_head(q_BHTD: torch.Tensor, k_BKSD: torch.Tensor, scale: float,
     rows = max(1, budget // (B * H * S))
     best = torch.full((H,), float("-inf"), device=q.device)
     for start in range(0, T, rows):
-        scores = (q[:, :, :, start:start + rows] @ kT) * scale  # [B, K, H/K, rows, S]
-        scores = scores.masked_fill(~mask[..., start:start + rows, :], float("-inf"))
+        end, keys = min(start + rows, T), S - T + min(start + rows, T)  # the keys the chunk's last row can see
+        scores = q[:, :, :, start:end] @ kT[..., :keys]  # [B, K, H/K, rows, keys]
+        scores.masked_fill_(~mask[..., start:end, :keys], float("-inf"))
         best = torch.maximum(best, scores.amax((0, 3, 4)).flatten())
-    return best
+    return best * scale  # scale > 0, so max(s·x) = s·max(x)

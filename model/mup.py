@@ -75,7 +75,8 @@ def to_standard(model: Transformer) -> Transformer:
     """A standard-parametrization copy of a μP `model` with the same logits: the output multiplier folded into
     the LM head, and the attention scale folded into the queries (q·k·s = (c·q)·k/√D with c = s·√D; RoPE is
     linear, so scaling q before it is the same). With QK-norm the query's norm gain carries c (the norm would undo
-    a scaled projection). The model itself is not changed; a standard model is returned as it is.
+    a scaled projection); an l2 QK-norm's temperature already holds the whole scale, so there c = 1. The model
+    itself is not changed; a standard model is returned as it is.
 
     Raises ValueError for tied embeddings (the head is the embedding there: scaling it would change the input)
     and for an offset query-norm gain.

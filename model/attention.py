@@ -1,6 +1,22 @@
-"""Causal self-attention with grouped-query heads, rotary positions and optional QK-norm.
+"""Causal self-attention with grouped-query heads, rotary positions, and these options: QK-norm
+(model/qk_norm.py), sink logits and soft-capped scores (model/softmax.py), a sub-norm before the output
+projection, and an output gate.
 
 Shapes: B batch, T sequence, H query heads, K key/value heads (H % K == 0), D head_dim, C = H·D.
+
+    y = W_o · (σ(x W_g) ⊙ N_sub(softmax(q·k·s [+ sink]) v))       the gate and N_sub only when configured
+
+Sub-LN (`sub_norm`; Magneto, "Foundation Transformers", Wang et al. 2022, arXiv 2210.06423) normalizes the
+attention output over C before W_o, using the block norm's kind. The output gate (`attn_gate`; Qiu et al. 2025,
+"Gated Attention for LLMs", arXiv 2505.06708, position G1, as in Qwen3-Next) multiplies the output by a sigmoid
+of the sublayer's input x, either one gate per head (`head`, W_g: dim → H) or one per head channel
+(`elementwise`, dim → C). When both are on, the norm comes first and the gate last, in the order of Qwen3-Next's
+gated norm, so a gate near 0 still silences its head.
+
+`track_max_logit = True` makes every forward store `max_logit_per_head` [H] (detached): the exact maximum of
+q·k·s over the batch, the queries and the keys each query sees, after the score scale and before any soft-cap
+(`model.softmax.max_logit_per_head`). QK-clip reads it. It is off by default, and then the forward runs nothing
+extra.
 
 Document masking (`DocumentMask`): in a packed window each query sees only earlier keys of its own document
 (block-causal). On CUDA this runs `torch.nn.attention.flex_attention` (compiled) with a block mask, which skips
@@ -19,9 +35,10 @@ from torch import nn
 
 from model.init import init_std
 from model.layers import Linear
-from model.mup import attn_scale
 from model.norms import build_norm
+from model.qk_norm import build_qk_norms, score_scale
 from model.rope import RoPE
+from model.softmax import AttentionSink, math_attention, max_logit_per_head, sdpa_with_sink
 
 if TYPE_CHECKING:
     from model.config import ModelConfig
@@ -100,17 +117,23 @@ class Attention(nn.Module):
         self.v_proj = Linear(cfg.dim, kv_dim, cfg.bias, init_std(cfg, "in", layer_id, (cfg.dim, kv_dim)))
         # o_proj writes to the residual stream
         self.o_proj = Linear(q_dim, cfg.dim, cfg.bias, init_std(cfg, "out", layer_id, (q_dim, cfg.dim)))
-        # QK-norm bounds the attention logits (Dehghani et al. 2023): per head over D as in Qwen3, with separate
-        # Q and K gains shared by all heads (so GQA needs nothing special); or over the whole projection as in OLMo 2.
+        # QK-norm bounds the attention logits (Dehghani et al. 2023): q_norm, k_norm (and v_norm), model/qk_norm.py
         self.qk_norm = cfg.qk_norm
-        if cfg.qk_norm == "head":
-            self.q_norm, self.k_norm = build_norm(cfg, cfg.head_dim), build_norm(cfg, cfg.head_dim)
-        elif cfg.qk_norm == "full":
-            self.q_norm, self.k_norm = build_norm(cfg, q_dim), build_norm(cfg, kv_dim)
+        for name, norm in build_qk_norms(cfg).items():
+            setattr(self, name, norm)
+        self.sub_norm = build_norm(cfg, q_dim) if cfg.sub_norm else None
+        self.gate_proj = None
+        if cfg.attn_gate != "none":  # a matrix like q_proj's gate rows in Qwen3-Next: role "in", N(0, σ)
+            width = cfg.n_heads if cfg.attn_gate == "head" else q_dim
+            self.gate_proj = Linear(cfg.dim, width, cfg.bias, init_std(cfg, "in", layer_id, (cfg.dim, width)))
+        self.sink = AttentionSink(cfg.n_heads, cfg.attn_sink == "learnable") if cfg.attn_sink != "none" else None
         self.rope = RoPE()
         self.softcap = cfg.attn_softcap
-        # the score scale: 1/√D, or μP's √D₀/D (model/mup.py); the probes read it here, so they see this softmax
-        self.scale = attn_scale(cfg)
+        # the score scale: 1/√D, μP's √D₀/D (model/mup.py), or 1 under an l2 QK-norm, whose temperature carries it;
+        # the probes read it here, so they see this softmax
+        self.scale = score_scale(cfg)
+        self.track_max_logit = False
+        self.max_logit_per_head: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: LayerCache | None = None,
                 doc_mask: DocumentMask | None = None) -> torch.Tensor:
@@ -120,15 +143,9 @@ class Attention(nn.Module):
             raise ValueError("document masking is for training and evaluation; generation with a KV cache runs "
                              "one sequence per row without it")
         B, T, _ = x.shape
-        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        if self.qk_norm == "full":  # before the head split and before RoPE, as in OLMo 2
-            q, k = self.q_norm(q), self.k_norm(k)
-        q_BTHD = q.view(B, T, self.n_heads, self.head_dim)
-        k_BTKD = k.view(B, T, self.n_kv_heads, self.head_dim)
-        if self.qk_norm == "head":  # per head, before RoPE, as in Qwen3
-            q_BTHD, k_BTKD = self.q_norm(q_BTHD), self.k_norm(k_BTKD)
+        q_BTHD, k_BTKD, v_BTKD = self._normalized_qkv(x)
         q_BHTD, k_BKTD = self.rope(q_BTHD.transpose(1, 2), k_BTKD.transpose(1, 2), cos, sin)
-        v_BKTD = v.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v_BKTD = v_BTKD.transpose(1, 2)
         mask, causal = None, True
         if cache is not None:
             start = cache.length
@@ -139,38 +156,44 @@ class Attention(nn.Module):
                 mask = keys[None, :] <= torch.arange(start, start + T, device=x.device)[:, None]
         if doc_mask is not None:
             mask, causal = doc_mask.dense, False
-        y_BHTD = self._attend(q_BHTD, k_BKTD, v_BKTD, mask, causal, doc_mask)
-        return self.o_proj(y_BHTD.transpose(1, 2).reshape(B, T, -1))
+            if mask is None and (self.sink is not None or self.track_max_logit):  # flex's block mask only
+                mask = visible_keys(doc_mask.doc_ids)[:, None]
+        if self.track_max_logit:
+            self.max_logit_per_head = max_logit_per_head(q_BHTD, k_BKTD, self.scale, mask)
+        y = self._attend(q_BHTD, k_BKTD, v_BKTD, mask, causal, doc_mask).transpose(1, 2)  # [B, T, H, D]
+        if self.sub_norm is not None:  # Sub-LN: over all heads' channels, before W_o
+            y = self.sub_norm(y.reshape(B, T, -1)).view(B, T, self.n_heads, self.head_dim)
+        if self.gate_proj is not None:  # G1: σ(x W_g), one gate per head or per channel
+            y = y * torch.sigmoid(self.gate_proj(x)).view(B, T, self.n_heads, -1)
+        return self.o_proj(y.reshape(B, T, -1))
 
+    def _normalized_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [B, T, H, D], k and v [B, T, K, D] from x [B, T, dim], with QK-norm applied: the one place it is,
+        before RoPE (Qwen3, OLMo 2; HybridNorm's V-norm too)."""
+        B, T, _ = x.shape
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if self.qk_norm == "full":  # over the whole projection, before the head split, as in OLMo 2
+            q, k = self.q_norm(q), self.k_norm(k)
+        q_BTHD = q.view(B, T, self.n_heads, self.head_dim)
+        k_BTKD = k.view(B, T, self.n_kv_heads, self.head_dim)
+        v_BTKD = v.view(B, T, self.n_kv_heads, self.head_dim)
+        if self.qk_norm in ("head", "qkv"):  # per head over D, as in Qwen3
+            q_BTHD, k_BTKD = self.q_norm(q_BTHD), self.k_norm(k_BTKD)
+        if self.qk_norm == "qkv":  # HybridNorm's values, per head like q and k
+            v_BTKD = self.v_norm(v_BTKD)
+        return q_BTHD, k_BTKD, v_BTKD
 
     def _attend(self, q_BHTD: torch.Tensor, k_BKTD: torch.Tensor, v_BKTD: torch.Tensor, mask: torch.Tensor | None,
                 causal: bool, doc_mask: DocumentMask | None) -> torch.Tensor:
-        """[B, H, T, D] attention output: flex attention for a block mask, else SDPA, else (softcap) math."""
+        """[B, H, T, D] attention output: flex attention for a block mask, else SDPA; math with a softcap; the
+        sink's SDPA form with a sink (model/softmax.py)."""
         gqa = self.n_kv_heads != self.n_heads
-        if doc_mask is not None and doc_mask.block is not None:
+        sink = None if self.sink is None else self.sink(q_BHTD)
+        if doc_mask is not None and doc_mask.block is not None and sink is None:
             return _flex()[0](q_BHTD, k_BKTD, v_BKTD, block_mask=doc_mask.block, scale=self.scale, enable_gqa=gqa)
         if self.softcap is not None:
-            return softcapped_attention(q_BHTD, k_BKTD, v_BKTD, mask, self.softcap, self.scale)
+            return math_attention(q_BHTD, k_BKTD, v_BKTD, mask, self.scale, self.softcap, sink)
+        if sink is not None:
+            return sdpa_with_sink(q_BHTD, k_BKTD, v_BKTD, sink, self.scale, mask, gqa)
         return F.scaled_dot_product_attention(q_BHTD, k_BKTD, v_BKTD, attn_mask=mask, is_causal=causal,
                                               scale=self.scale, enable_gqa=gqa)
-
-
-def softcapped_attention(q_BHTD: torch.Tensor, k_BKTD: torch.Tensor, v_BKTD: torch.Tensor,
-                         mask_TS: torch.Tensor | None, cap: float, scale: float) -> torch.Tensor:
-    """Causal attention with the scores soft-capped to c · tanh(s / c) before the softmax (Gemma 2).
-
-    SDPA has no hook between the scores and the softmax, so this is plain math attention: it materializes the
-    [B, H, T, S] scores (O(T²) memory, no flash kernel) — the price of `attn_softcap`. `mask_TS`: True where a
-    query may see a key, [T, S] or [B, 1, T, S] (document masking); None means causal with T == S. `scale`: the
-    score scale (`Attention.scale`).
-    """
-    H, K = q_BHTD.shape[1], k_BKTD.shape[1]
-    k_BHSD = k_BKTD.repeat_interleave(H // K, dim=1)  # GQA: query head h reads kv head h // (H/K)
-    v_BHSD = v_BKTD.repeat_interleave(H // K, dim=1)
-    scores = (q_BHTD @ k_BHSD.transpose(-1, -2)).float() * scale  # [B, H, T, S]
-    scores = cap * torch.tanh(scores / cap)
-    if mask_TS is None:
-        T, S = scores.shape[-2:]
-        mask_TS = torch.ones(T, S, dtype=torch.bool, device=scores.device).tril()
-    probs = scores.masked_fill(~mask_TS, float("-inf")).softmax(-1)
-    return probs.to(v_BHSD.dtype) @ v_BHSD

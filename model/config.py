@@ -14,12 +14,14 @@ from typing import Any
 from model.mlp import MLPS  # the MLP registry: valid names, matrices per MLP
 from model.mup import PARAMETRIZATIONS  # standard | mup: see model/mup.py
 from model.norms import NORMS  # the norm registry: valid names, parameters per norm
+from model.qk_norm import QK_NORM_KINDS, QK_NORMS, qk_norm_params  # QK-norm scopes and kinds: model/qk_norm.py
 from model.residual import PLACEMENTS  # the placement registry: valid names, norms per sublayer, final norm
 from model.rope import RopeScaling
-from model.validation import check_choice, check_dyt_alpha, check_positive, check_stream
+from model.softmax import SINKS  # attention sinks: model/softmax.py
+from model.validation import check_attention, check_choice, check_dyt_alpha, check_positive, check_stream
 
 NORM_CASTS = ("llama", "gemma")
-QK_NORMS = ("none", "head", "full")
+ATTN_GATES = ("none", "head", "elementwise")
 FINAL_NORMS = ("auto", True, False)
 INITS = ("normal", "scaled", "depth", "zero", "xavier")
 KERNELS = ("auto", "triton", "torch")
@@ -72,7 +74,11 @@ class ModelConfig:
     norm_offset: bool = False  # Gemma-style gain: stored as w, applied as (1 + w)
     norm_cast: str = "llama"
     placement: str = "pre"
-    qk_norm: str = "none"
+    qk_norm: str = "none"  # none | head | full | qkv (head plus the values: HybridNorm): see model/qk_norm.py
+    qk_norm_kind: str = "auto"  # auto (the block norm) | rmsnorm | layernorm | l2 (QKNorm's unit q, k · learned g)
+    sub_norm: bool = False  # Sub-LN (Magneto): a norm before the attention output and the MLP down projection
+    attn_gate: str = "none"  # none | head | elementwise: σ(x W_g) on the attention output (Qiu et al. 2025, G1)
+    attn_sink: str = "none"  # none | learnable (gpt-oss) | off_by_one (softmax₁): a sink logit (model/softmax.py)
     final_norm: str | bool = "auto"  # auto: whatever the top layer's MLP placement needs
     norm_affine: bool = True  # False: every norm without its gain and bias (weightless; model/norms.py)
     # ---- the residual stream: scalars and per-sublayer / per-depth placements (model/residual.py) ----
@@ -115,7 +121,7 @@ class ModelConfig:
         check_choice("norm", self.norm, tuple(NORMS))
         check_choice("norm_cast", self.norm_cast, NORM_CASTS)
         check_choice("placement", self.placement, tuple(PLACEMENTS))
-        check_choice("qk_norm", self.qk_norm, QK_NORMS)
+        check_attention(self, QK_NORMS, QK_NORM_KINDS, ATTN_GATES, SINKS)
         check_choice("final_norm", self.final_norm, FINAL_NORMS)
         check_choice("init", self.init, INITS)
         check_choice("kernels", self.kernels, KERNELS)
@@ -251,12 +257,13 @@ class ModelConfig:
         n_in = MLPS[self.mlp].n_matrices - 1  # matrices reading the input (gate and up, or up)
         mlp = (n_in + 1) * d * self.hidden_dim + b * (n_in * self.hidden_dim + d)
         norm_params = NORMS[self.norm].num_params
-        qk = {"none": 0, "head": 2 * norm_params(self, hd), "full": norm_params(self, q) + norm_params(self, kv)}[
-            self.qk_norm]
+        sub = norm_params(self, q) + norm_params(self, self.hidden_dim) if self.sub_norm else 0
+        gate = {"none": 0, "head": self.n_heads, "elementwise": q}[self.attn_gate] * (d + b)
+        sink = self.n_heads if self.attn_sink == "learnable" else 0
         branch = {"none": 0, "scalar": 1, "vector": d}[self.branch_scale]
         placements = [p for i in range(L) for p in self.sublayer_placements(i)]  # one per sublayer
         norms = sum(len(PLACEMENTS[p].norms) for p in placements) * norm_params(self, d) + branch * len(placements)
-        blocks = L * (attn + mlp + qk) + norms
+        blocks = L * (attn + mlp + qk_norm_params(self) + sub + gate + sink) + norms
         final = norm_params(self, d) * (self.has_final_norm + self.embed_norm)
         emb = self.vocab_size * d
         head = 0 if self.tie_embeddings else self.vocab_size * d

@@ -48,8 +48,9 @@ _PRE_NORM_NAMES = {
 }
 _STRUCTURE = dict(norm="rmsnorm", norm_offset=False, mlp="swiglu", logit_softcap=None, attn_softcap=None,
                   has_final_norm=True)
-# The residual-stream fields (model/residual.py): transformers' families have none of them.
-_STRUCTURE.update(norm_affine=True, residual_scale=1.0, branch_scale="none", norm_depth_scale=False,
+# The 2024–2026 fields (residual stream, attention): transformers' families have none of them.
+_STRUCTURE.update(norm_affine=True, qk_norm_kind="auto", sub_norm=False, attn_gate="none",
+                  attn_sink="none", residual_scale=1.0, branch_scale="none", norm_depth_scale=False,
                   placement_mlp=None, mix_ln=0.0, embed_norm=False, embed_scale=1.0)
 
 _FIELDS = {f.name for f in dataclasses.fields(ModelConfig)}

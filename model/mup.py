@@ -78,7 +78,8 @@ def to_standard(model: Transformer) -> Transformer:
     """A standard-parametrization copy of a μP `model` with the same logits: the output multiplier folded into
     the LM head, and the attention scale folded into the queries (q·k·s = (c·q)·k/√D with c = s·√D; RoPE is
     linear, so scaling q before it is the same). With QK-norm the query's norm gain carries c (the norm would undo
-    a scaled projection). The model itself is not changed; a standard model is returned as it is.
+    a scaled projection); an l2 QK-norm's temperature already holds the whole scale, so there c = 1. The model
+    itself is not changed; a standard model is returned as it is.
 
     Raises ValueError for tied embeddings (the head is the embedding there: scaling it would change the input)
     and for an offset or absent (`norm_affine=False`) query-norm gain.
@@ -96,7 +97,7 @@ def to_standard(model: Transformer) -> Transformer:
         out = type(model)(cfg.replace(parametrization="standard"))
     out.load_state_dict({k: v.detach().clone() for k, v in model.state_dict().items()}, assign=True)
     out = out.to(model.head_weight.device)
-    c = attn_scale(cfg) * math.sqrt(cfg.head_dim)
+    c = model.layers[0].attn.scale / out.layers[0].attn.scale  # 1 when an l2 QK-norm's temperature holds the scale
     with torch.no_grad():
         out.output.weight.copy_(model.output.weight * output_mult(cfg))
         for layer_out, layer in zip(out.layers, model.layers, strict=True):

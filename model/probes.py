@@ -5,32 +5,38 @@ forward hooks on every block, placement, sublayer and RoPE module of a `model.Tr
 on exit, so the hot path carries no probe code at all. The model runs its one (fused) forward; the hooks read
 the stream entering and leaving each block and each sublayer, what the sublayer reads, and the post-RoPE q and
 k, from which the softmax is recomputed for a few sampled query rows with the attention module's own scale
-(`Attention.scale`: 1/√D, or μP's), softcap and causal mask (and, under document masking, the same document
-mask) — the main path keeps using `scaled_dot_product_attention`.
+(`Attention.scale`: 1/√D, or μP's), softcap, sink logits and causal mask (and, under document masking, the same
+document mask) — the main path keeps using `scaled_dot_product_attention`. What each statistic means under an
+explicit sink (`attn_sink`) is in model/attention_stats.py.
 
 Tags: `resid/rms/L{l}` (stream entering block l), `resid/rms_out/L{l}` (leaving it),
 `resid/update_rms/{attn,mlp}/L{l}`, `resid/update_ratio/{attn,mlp}/L{l}` (update RMS / stream RMS: the block's
 relative contribution), `resid/read_rms/{attn,mlp}/L{l}` (what the sublayer reads, after its norm if any),
 `resid/final_in` (input to the final norm), and `attn/{max_prob,entropy,saturated_frac,max_logit}/L{l}` (mean
-over heads) with `attn/*_worst/L{l}` (the worst head). RMS values are means over tokens of each token's RMS.
+over heads) with `attn/*_worst/L{l}` (the worst head). With an explicit sink also `attn/sink_logit_mass/L{l}`
+(the sink's share of the softmax, mean over heads; `_worst`: the largest head); with an output gate
+(`attn_gate`) `attn/gate_mean/L{l}`, the mean gate value σ(x W_g) over tokens and heads (the quantity Qiu et al.
+2025 analyse). RMS values are means over tokens of each token's RMS.
 
 Outlier and sink telemetry (`stream_outliers`, `sink_mass`, `gain_stats`): `outlier/max_over_rms/L{l}` and
 `outlier/kurtosis/L{l}` (the stream entering block l; `.../final_in` the final norm's input), `attn/sink_mass/L{l}`
 (mean over heads; `attn/sink_mass_worst/L{l}` the largest head), and `norm/gain_mean/{role}/L{l}`,
-`norm/gain_max/{role}/L{l}` (`role`: attn_in, attn_out, mlp_in, mlp_out, q, k; `norm/gain_*/final`) from the
+`norm/gain_max/{role}/L{l}` (`role`: attn_in, attn_out, mlp_in, mlp_out, q, k, v, attn_sub, mlp_sub;
+`norm/gain_*/final`) from the
 parameters, outside the forward (`norm_gains`, or `gain_tags` + `gain_stats` where parameters are gathered).
 """
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import NamedTuple
 
 import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from model.attention import visible_keys
+from model.attention_stats import AttentionRows as AttentionRows  # re-exported: the probes' API
+from model.attention_stats import attention_rows as attention_rows
+from model.attention_stats import attention_stats, sink_mass
 from model.names import layer_index, split_layer
 from model.norms import Norm
 
@@ -38,69 +44,6 @@ from model.norms import Norm
 def token_rms(x: torch.Tensor) -> torch.Tensor:
     """Mean over tokens of each token's RMS over features (a 0-d fp32 tensor)."""
     return x.detach().float().pow(2).mean(-1).sqrt().mean()
-
-
-class AttentionRows(NamedTuple):
-    """The softmax of sampled query rows as the model computes it. `logits` [B, H, R, T]: q·k·scale, fp32, before
-    any softcap; `probs` [B, H, R, T]: the softmax of the (capped) scores over the visible keys; `visible`
-    [B, R, T]: the keys each row sees (causal, or its own document's); `valid` [B, R]: rows that see more than one
-    key (a row that sees only itself is saturated by construction)."""
-
-    logits: torch.Tensor
-    probs: torch.Tensor
-    visible: torch.Tensor
-    valid: torch.Tensor
-
-
-def attention_rows(q_BHTD: torch.Tensor, k_BKTD: torch.Tensor, rows: torch.Tensor, scale: float,
-                   softcap: float | None = None, doc_ids: torch.Tensor | None = None) -> AttentionRows:
-    """Recompute the attention probabilities of the query positions `rows` from post-RoPE q [B,H,T,D] and k
-    [B,K,T,D]. `scale` and `softcap` must be the attention module's own (`Attention.scale`, `Attention.softcap`),
-    so the probes describe the softmax the model computes — under μP or an explicit head_dim the scale is not
-    1/√D. With `doc_ids` [B, T] (document masking) a row sees only its own document, as in training."""
-    q = q_BHTD.detach().float()[:, :, rows]  # [B, H, R, D]
-    k = k_BKTD.detach().float()
-    k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)  # GQA: query head h reads kv head h // (H/K)
-    logits = q @ k.transpose(-1, -2) * scale  # [B, H, R, T]
-    B, T = k.shape[0], k.shape[2]
-    if doc_ids is None:
-        visible = (torch.arange(T, device=q.device)[None, :] <= rows[:, None]).expand(B, -1, -1)  # causal
-    else:
-        visible = visible_keys(doc_ids)[:, rows]  # the sampled rows of training's own mask
-    scores = logits if softcap is None else softcap * torch.tanh(logits / softcap)  # what the softmax sees
-    probs = scores.masked_fill(~visible[:, None], float("-inf")).softmax(-1)
-    return AttentionRows(logits, probs, visible, visible.sum(-1) > 1)
-
-
-def attention_stats(q_BHTD: torch.Tensor, k_BKTD: torch.Tensor, rows: torch.Tensor, scale: float,
-                    threshold: float = 0.99, softcap: float | None = None,
-                    doc_ids: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
-    """Softmax statistics per head for the query positions `rows` (see `attention_rows` for the arguments).
-
-    Returns per-head tensors [H]: `max_prob` (mean over rows of the largest probability), `entropy` (normalized
-    by log of the number of visible keys, so uniform attention gives 1), `saturated_frac` (fraction of rows whose
-    largest probability ≥ threshold) and `max_logit` (the largest scaled pre-softmax logit). Means are over the
-    (batch, row) pairs that see more than one key: row 0, and under document masking a document's first token,
-    see only themselves and are left out. With `softcap` the probabilities are those of the capped scores, as in
-    training; `max_logit` stays the uncapped score, so it shows what the cap is holding back.
-    """
-    rows = rows[rows > 0]
-    if rows.numel() == 0:
-        raise ValueError("attention_stats needs at least one query row past position 0")
-    a = attention_rows(q_BHTD, k_BKTD, rows, scale, softcap, doc_ids)
-    if not a.valid.any():
-        raise ValueError("attention_stats: no sampled query row sees more than one key of its document")
-    counts = a.visible.sum(-1)  # [B, R]
-    ent = -(a.probs * a.probs.clamp_min(1e-30).log()).sum(-1)  # [B, H, R]
-    pmax = a.probs.amax(-1)  # [B, H, R]
-    weight = a.valid[:, None].float() / a.valid.sum()  # [B, 1, R]: mean over the valid (b, row) pairs
-    shown = a.visible & a.valid[..., None]
-    return {
-        "max_prob": (pmax * weight).sum((0, 2)),
-        "entropy": (ent / counts.clamp_min(2).float().log()[:, None] * weight).sum((0, 2)),
-        "saturated_frac": ((pmax >= threshold).float() * weight).sum((0, 2)),
-        "max_logit": a.logits.masked_fill(~shown[:, None], float("-inf")).amax((0, 2, 3)),
-    }
 
 
 def stream_outliers(x: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -125,31 +68,10 @@ def stream_outliers(x: torch.Tensor) -> dict[str, torch.Tensor]:
     return {"max_over_rms": max_over_rms, "kurtosis": kurt.mean()}
 
 
-def sink_mass(q_BHTD: torch.Tensor, k_BKTD: torch.Tensor, rows: torch.Tensor, scale: float,
-              softcap: float | None = None, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
-    """Attention probability on the sink key (the "attention sink", Xiao et al. 2023) per head [H]: the mean over
-    the batch and the query positions `rows` of the probability at key 0, from the softmax the model computes
-    (`attention_rows`: its scale, softcap and mask). Row 0 sees only key 0 (probability 1 by construction) and is
-    left out, as are rows past the sequence. With `doc_ids` [B, T] (document masking) a row sees its own document
-    only and its sink is that document's first token; a document's first token sees only itself and is left out
-    like row 0.
-    """
-    T = k_BKTD.shape[2]
-    rows = rows[(rows > 0) & (rows < T)]
-    if rows.numel() == 0:
-        raise ValueError("sink_mass needs at least one query row past position 0")
-    a = attention_rows(q_BHTD, k_BKTD, rows, scale, softcap, doc_ids)
-    if not a.valid.any():
-        raise ValueError("sink_mass needs at least one query row that sees a key besides its sink")
-    sink = a.visible.float().argmax(-1)  # [B, R]: the first key a row sees — 0, or its document's first token
-    at_sink = a.probs.gather(-1, sink[:, None, :, None].expand(-1, a.probs.shape[1], -1, 1)).squeeze(-1)
-    valid = a.valid.float()[:, None]  # [B, 1, R]
-    return (at_sink * valid).sum((0, 2)) / valid.sum((0, 2))
-
-
 def gain_tags(model: nn.Module) -> dict[str, tuple[str, bool]]:
     """{parameter name: (tag suffix, offset)} for the gain γ of every norm in a `model.Transformer`: suffix
-    `{role}/L{l}` for a block's norm (`attn_in`, `attn_out`, `mlp_in`, `mlp_out`, QK-norm's `q`, `k`) or `final`;
+    `{role}/L{l}` for a block's norm (`attn_in`, `attn_out`, `mlp_in`, `mlp_out`, QK-norm's `q`, `k`, `v`,
+    Sub-LN's `attn_sub`, `mlp_sub`) or `final`;
     `offset` when the stored weight w means a gain of 1 + w (RMSNorm with `norm_offset`). `norm: none` has none."""
     out: dict[str, tuple[str, bool]] = {}
     for name, module in model.named_modules():
@@ -160,7 +82,8 @@ def gain_tags(model: nn.Module) -> dict[str, tuple[str, bool]]:
             bare = name.replace("_orig_mod.", "")
             suffix = "final" if bare == "norm" else bare.replace(".", "_")
         else:
-            role = parts[2].rstrip(".").replace("_res.norm_", "_").removeprefix("attn.").removesuffix("_norm")
+            role = parts[2].rstrip(".").replace("_res.norm_", "_").replace(".sub_norm", "_sub")
+            role = role.removeprefix("attn.").removesuffix("_norm")
             suffix = f"{role}/L{parts[1]}"
         out[f"{name}.weight"] = (suffix, bool(getattr(module, "offset", False)))
     return out
@@ -213,27 +136,33 @@ class Recorder:
 
     # -- attention ---------------------------------------------------------------------------------
     def attention(self, layer: int, q_BHTD: torch.Tensor, k_BKTD: torch.Tensor, scale: float,
-                  softcap: float | None = None, doc_ids: torch.Tensor | None = None) -> None:
-        """Softmax and sink statistics of layer `layer` from its post-RoPE q and k; `scale` and `softcap` are the
-        attention module's own."""
+                  softcap: float | None = None, doc_ids: torch.Tensor | None = None,
+                  sink: torch.Tensor | None = None) -> None:
+        """Softmax and sink statistics of layer `layer` from its post-RoPE q and k; `scale`, `softcap` and `sink`
+        (sink logits [H]) are the attention module's own."""
         T = q_BHTD.shape[2]
         if T < 2:  # a single position attends only to itself: nothing to measure
             return
         rows = torch.linspace(0, T - 1, min(self.attn_rows, T), device=q_BHTD.device).round().long().unique()
         b = min(self.attn_batch, q_BHTD.shape[0])
         doc_ids = doc_ids[:b] if doc_ids is not None else None
-        stats = attention_stats(q_BHTD[:b], k_BKTD[:b], rows, scale, self.threshold, softcap, doc_ids)
+        stats = attention_stats(q_BHTD[:b], k_BKTD[:b], rows, scale, self.threshold, softcap, doc_ids, sink)
         for key, per_head in stats.items():
             self.values[f"attn/{key}/L{layer}"] = per_head.mean()
             worst = per_head.amin() if key == "entropy" else per_head.amax()
             self.values[f"attn/{key}_worst/L{layer}"] = worst
-        self.sink(layer, q_BHTD[:b], k_BKTD[:b], rows, scale, softcap, doc_ids)
+        self.sink(layer, q_BHTD[:b], k_BKTD[:b], rows, scale, softcap, doc_ids, sink)
 
     def sink(self, layer: int, q_BHTD: torch.Tensor, k_BKTD: torch.Tensor, rows: torch.Tensor, scale: float,
-             softcap: float | None = None, doc_ids: torch.Tensor | None = None) -> None:
-        per_head = sink_mass(q_BHTD, k_BKTD, rows, scale, softcap, doc_ids)
+             softcap: float | None = None, doc_ids: torch.Tensor | None = None,
+             sink: torch.Tensor | None = None) -> None:
+        per_head = sink_mass(q_BHTD, k_BKTD, rows, scale, softcap, doc_ids, sink)
         self.values[f"attn/sink_mass/L{layer}"] = per_head.mean()
         self.values[f"attn/sink_mass_worst/L{layer}"] = per_head.amax()
+
+    def gate(self, layer: int, gate_logits: torch.Tensor) -> None:
+        """`attn/gate_mean/L{l}`: the mean output-gate value σ(x W_g) over tokens and heads (channels)."""
+        self.values[f"attn/gate_mean/L{layer}"] = torch.sigmoid(gate_logits.detach().float()).mean()
 
     def scalars(self) -> dict[str, float]:
         if not self.values:
@@ -275,11 +204,14 @@ def _observe_block(rec: Recorder, layer: int, block: nn.Module) -> list[Removabl
         # the document mask attention runs with (None without document masking), for the softmax statistics
         block.attn.register_forward_pre_hook(
             lambda m, args, kwargs: seen.update(doc_mask=kwargs.get("doc_mask")), with_kwargs=True),
-        # the softmax statistics use the attention module's own scale and softcap (one source: model/mup.py)
+        # the softmax statistics use the attention module's own scale, softcap and sink logits
         block.attn.rope.register_forward_hook(
             lambda m, args, out: rec.attention(layer, *out, scale=block.attn.scale, softcap=block.attn.softcap,
-                                               doc_ids=_doc_ids(seen.pop("doc_mask", None)))),
+                                               doc_ids=_doc_ids(seen.pop("doc_mask", None)),
+                                               sink=None if block.attn.sink is None else block.attn.sink(out[0]))),
     ]
+    if block.attn.gate_proj is not None:
+        handles.append(block.attn.gate_proj.register_forward_hook(lambda m, args, out: rec.gate(layer, out)))
     for name, placement, sublayer in (("attn", block.attn_res, block.attn), ("mlp", block.mlp_res, block.mlp)):
 
         def after(m: nn.Module, args: tuple, out, name: str = name) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Any
 
-from model.norms import NORM_SITES
+from model.norms import NORM_SITES, NORMS
 from model.residual import BRANCH_SCALES, PLACEMENTS
 
 if TYPE_CHECKING:
@@ -61,3 +61,22 @@ def check_stream(cfg: ModelConfig) -> None:
     if cfg.parametrization == "mup" and cfg.embed_scale == "sqrt_dim":
         raise ValueError("ModelConfig.embed_scale='sqrt_dim' grows the embeddings with the width, which "
                          "parametrization='mup' keeps Θ(1); give a number (a width-independent multiplier)")
+
+
+def check_attention(cfg: ModelConfig, qk_norms: tuple, qk_norm_kinds: tuple, gates: tuple, sinks: tuple) -> None:
+    """The attention fields (model/attention.py, model/qk_norm.py, model/softmax.py)."""
+    check_choice("qk_norm", cfg.qk_norm, qk_norms)
+    check_choice("qk_norm_kind", cfg.qk_norm_kind, qk_norm_kinds)
+    check_choice("sub_norm", cfg.sub_norm, (False, True))
+    check_choice("attn_gate", cfg.attn_gate, gates)
+    check_choice("attn_sink", cfg.attn_sink, sinks)
+    if cfg.qk_norm_kind != "auto" and cfg.qk_norm == "none":
+        raise ValueError(f"ModelConfig.qk_norm_kind={cfg.qk_norm_kind!r} needs a QK-norm: set qk_norm to one "
+                         f"of {list(qk_norms[1:])}")
+    if cfg.qk_norm_kind == "l2" and cfg.qk_norm != "head":
+        raise ValueError(f"ModelConfig.qk_norm_kind='l2' normalizes each head's q and k to unit length, so it "
+                         f"needs qk_norm='head' (got qk_norm={cfg.qk_norm!r}; a unit-length value would "
+                         "shrink by √head_dim)")
+    if cfg.sub_norm and cfg.norm == "none":
+        raise ValueError("ModelConfig.sub_norm=True uses the block norm's kind, and norm='none' is the "
+                         f"identity: choose norm from {[n for n in NORMS if n != 'none']}")

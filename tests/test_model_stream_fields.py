@@ -160,7 +160,7 @@ def test_final_norm_follows_the_top_layers_mlp_placement():
     assert Transformer(tiny_config(placement="post", mix_ln=0.5)).norm is None  # Mix-LN never reaches the top
 
 
-HYBRIDNORM = dict(placement="post", placement_mlp="none", qk_norm="head")  # docs/research-options.md
+HYBRIDNORM = dict(placement="post", placement_mlp="none", qk_norm="qkv")  # docs/research-options.md
 
 
 def test_hybridnorm_is_the_papers_block():

@@ -257,13 +257,17 @@ def test_init_is_deterministic_and_works_on_meta_device():
     ("placement", "middle", "placement='middle'"),
     ("norm", "batchnorm", "['rmsnorm', 'layernorm', 'none', 'dyt', 'derf', 'rmsnorm_scalar']"),
     ("mlp", "geglu", "['swiglu', 'relu', 'gelu']"),
-    ("qk_norm", "yes", "['none', 'head', 'full']"),
+    ("qk_norm", "yes", "['none', 'head', 'full', 'qkv']"),
     ("init", "glorot", "'normal', 'scaled', 'depth', 'zero', 'xavier'"),
     ("final_norm", "maybe", "final_norm='maybe'"),
     ("n_kv_heads", 3, "n_kv_heads=3"),
     ("dim", 30, "dim=30"),
     ("vocab_size", 0, "vocab_size=0"),
     ("kernels", "cuda", "kernels='cuda'"),
+    ("qk_norm_kind", "cos", "qk_norm_kind='cos' is not valid; choose one of ['auto', 'rmsnorm', 'layernorm', 'l2']"),
+    ("sub_norm", "yes", "sub_norm='yes' is not valid; choose one of [False, True]"),
+    ("attn_gate", "channel", "attn_gate='channel' is not valid; choose one of ['none', 'head', 'elementwise']"),
+    ("attn_sink", "zero", "attn_sink='zero' is not valid; choose one of ['none', 'learnable', 'off_by_one']"),
 ])
 def test_config_errors_name_the_value(field, value, fragment):
     with pytest.raises(ValueError) as err:

@@ -41,7 +41,18 @@ STREAM_CASES: list[FieldCase] = [
     FieldCase("norm", dict(norm="rmsnorm_scalar", qk_norm="head")),
 ]
 
-# Attention: QK-norm kinds, V-norm, sub-norms, gates, sinks.
-ATTENTION_CASES: list[FieldCase] = []
+# Attention: QK-norm kinds, V-norm, sub-norms, gates, sinks. (A case's other overrides must keep some HF family
+# one field away, so that export names this field: a DyT model with RMSNorm QK-norm is tested in
+# tests/test_model_attention_fields.py instead.)
+ATTENTION_CASES: list[FieldCase] = [
+    FieldCase("qk_norm", {"qk_norm": "qkv"}),
+    FieldCase("qk_norm_kind", {"qk_norm": "head", "qk_norm_kind": "l2"}),
+    FieldCase("qk_norm_kind", {"qk_norm": "full", "qk_norm_kind": "layernorm", "bias": True}),
+    FieldCase("sub_norm", {"sub_norm": True}),
+    FieldCase("attn_gate", {"attn_gate": "head"}),
+    FieldCase("attn_gate", {"attn_gate": "elementwise", "bias": True}),
+    FieldCase("attn_sink", {"attn_sink": "learnable"}),
+    FieldCase("attn_sink", {"attn_sink": "off_by_one"}),
+]
 
 FIELD_CASES: list[FieldCase] = STREAM_CASES + ATTENTION_CASES

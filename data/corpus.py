@@ -31,6 +31,10 @@ logger = logging.getLogger(__name__)
 FORMATS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 TEXT = "text"
 _CHUNK = 1 << 20
+# The largest document normlab tokenizes. A document is encoded whole: sentencepiece's encoder took ~45 bytes of RAM
+# per character of one long line here (16 MB of text: 0.75 GB peak), so a 1 GB document aborted the process with
+# std::bad_alloc. 64 MiB keeps one encode under ~3 GB.
+MAX_DOCUMENT_BYTES = 64 << 20
 # Seconds to wait for the Hub before declaring it unreachable: `datasets` itself retries for ~25 s.
 HUB_PROBE_TIMEOUT = 3.0
 
@@ -97,9 +101,12 @@ def _supported() -> str:
 
 
 def inspect_files(paths: Sequence[Path], encoding_errors: str = "strict") -> list[SourceFile]:
-    """Hash each file and check text formats for UTF-8; strict mode fails on the first bad byte."""
+    """Hash each file and check text formats for UTF-8; strict mode fails on the first bad byte. A ``.txt`` file
+    (one document) over ``MAX_DOCUMENT_BYTES`` is refused before anything is read."""
     sources = []
     for path in paths:
+        if FORMATS[path.suffix.lower()] == "text" and path.stat().st_size > MAX_DOCUMENT_BYTES:
+            raise DataError(_too_long(f"input file '{path}' (one .txt file is one document)", path.stat().st_size))
         source = _inspect(path, check_utf8=FORMATS[path.suffix.lower()] != "parquet")
         if source.bad_utf8_offset is not None:
             if encoding_errors == "strict":
@@ -177,6 +184,21 @@ def _json_line(line: str, path: Path, n: int) -> object:
         raise DataError(f"could not read json input '{path}': line {n} is not valid JSON ({e})") from e
 
 
+def _too_long(what: str, size: int) -> str:
+    return (f"{what} holds {size:,} bytes, more than the {MAX_DOCUMENT_BYTES:,} bytes (64 MiB) normlab tokenizes as "
+            "one document; split it into smaller documents (files, or JSON-lines records)")
+
+
+def checked_document(text: str | None, where: str) -> str | None:
+    """``text``, or a DataError naming ``where`` when its UTF-8 form is longer than ``MAX_DOCUMENT_BYTES`` (encoded
+    to count only when its length in characters leaves it in doubt: a character takes 1 to 4 bytes)."""
+    if text is not None and 4 * len(text) > MAX_DOCUMENT_BYTES:
+        size = len(text.encode("utf-8"))
+        if size > MAX_DOCUMENT_BYTES:
+            raise DataError(_too_long(where, size))
+    return text
+
+
 def _record_text(record: object, text_field: str, path: Path, n: int) -> str | None:
     if not isinstance(record, dict):
         raise DataError(f"json input '{path}': record {n} is not an object")
@@ -189,7 +211,7 @@ def _record_text(record: object, text_field: str, path: Path, n: int) -> str | N
     if value is not None and not isinstance(value, str):
         raise DataError(f"field {text_field!r} of json input '{path}' (record {n}) holds "
                         f"{type(value).__name__}, not text; pass --text_field")
-    return value
+    return checked_document(value, f"record {n} of json input '{path}'")
 
 
 def _parquet_documents(path: Path, text_field: str, batch_rows: int = 1024) -> Iterator[str | None]:
@@ -209,8 +231,11 @@ def _parquet_documents(path: Path, text_field: str, batch_rows: int = 1024) -> I
     kind = schema.field(text_field).type
     if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
         raise DataError(f"field {text_field!r} of parquet input '{path}' holds {kind}, not text; pass --text_field")
+    n = 0
     for batch in reader.iter_batches(batch_size=batch_rows, columns=[text_field]):
-        yield from batch.column(0).to_pylist()
+        for text in batch.column(0).to_pylist():
+            n += 1
+            yield checked_document(text, f"record {n} of parquet input '{path}'")
 
 
 def local_documents(sources: Sequence[SourceFile], text_field: str, encoding_errors: str) -> Iterator[str | None]:
@@ -258,14 +283,15 @@ def hub_documents(ds, text_field: str, skip: int = 0, batch_rows: int = 1024) ->
     """The text of each record of a (streaming or not) Hub dataset, from record ``skip`` on."""
     if hasattr(ds, "__len__"):  # a downloaded `datasets.Dataset`; a streamed one has no length
         for first in range(skip, len(ds), batch_rows):
-            yield from ds[first:first + batch_rows][text_field]
+            for n, text in enumerate(ds[first:first + batch_rows][text_field], start=first + 1):
+                yield checked_document(text, f"record {n} of the --hf_dataset")
         return
-    for record in ds.skip(skip) if skip else ds:
+    for n, record in enumerate(ds.skip(skip) if skip else ds, start=skip + 1):
         value = record.get(text_field)
         if value is not None and not isinstance(value, str):
             raise DataError(f"field {text_field!r} of the --hf_dataset records holds {type(value).__name__}, not "
                             "text; pass --text_field")
-        yield value
+        yield checked_document(value, f"record {n} of the --hf_dataset")
 
 
 def hub_reachable(endpoint: str, timeout: float) -> bool:

@@ -42,6 +42,7 @@ from data.errors import DataError
 from data.packing import PackState, SplitWriter, batches, encode_batches, finish_splits
 from data.tokenizer import (
     HF_TOKENIZER_FILE,
+    MAX_TRAINING_LINE_BYTES,
     NORMALIZATION_NOTE,
     TOKENIZER_MODEL,
     TRAINER_VERSION,
@@ -160,7 +161,7 @@ def _build(
         if given is not None:
             shutil.copyfile(given.path, stage / name)
         else:
-            train_tokenizer(_training_lines(source), vocab_size, stage / name, num_threads=num_proc)
+            _train_tokenizer(source, vocab_size, stage / name, num_proc)
         progress = {"fingerprint": fingerprint, "tokenizer": name, "pack": PackState().to_json()}
         output_dir.save_progress(stage, progress)
     path = stage / progress["tokenizer"]
@@ -255,15 +256,40 @@ def _digest(value: Any) -> str:
     return hashlib.sha256(json.dumps(value, sort_keys=True).encode("utf-8")).hexdigest()
 
 
-def _training_lines(source: Source) -> Iterator[str]:
+def _train_tokenizer(source: Source, vocab_size: int, output: Path, num_proc: int) -> None:
+    """Train the tokenizer on ``_training_lines``, naming the lines sentencepiece cannot take (it would drop them
+    without a word, and a corpus of only such lines failed with an empty reason)."""
+    long_lines: list[int] = []
+    try:
+        train_tokenizer(_training_lines(source, long_lines), vocab_size, output, num_threads=num_proc)
+    except DataError as e:
+        if long_lines:
+            raise DataError(f"{e} ({_left_out(long_lines)})") from e
+        raise
+    if long_lines:
+        logger.warning("the tokenizer was trained without %s", _left_out(long_lines).removesuffix(" out"))
+
+
+def _left_out(long_lines: list[int]) -> str:
+    return (f"{len(long_lines):,} line(s) longer than sentencepiece's {MAX_TRAINING_LINE_BYTES:,}-byte bound on a "
+            f"training line, the longest {max(long_lines):,} bytes, were left out")
+
+
+def _training_lines(source: Source, long_lines: list[int]) -> Iterator[str]:
     """Non-empty lines of every k-th document, k chosen to keep the trainer's input under its byte cap (a source
-    of unknown size gives its first ``MAX_TOKENIZER_TRAIN_BYTES``)."""
+    of unknown size gives its first ``MAX_TOKENIZER_TRAIN_BYTES``). Lines over sentencepiece's bound are not fed
+    (it drops them itself); their byte lengths go to ``long_lines``."""
     stride = max(1, math.ceil((source.size_hint or 0) / MAX_TOKENIZER_TRAIN_BYTES))
     fed = 0
     for row, text in enumerate(source.documents(0)):
         if row % stride == 0 and text:
             for line in text.splitlines():
-                if line.strip():
+                if not line.strip():
+                    continue
+                size = len(line) if len(line) * 4 <= MAX_TRAINING_LINE_BYTES else len(line.encode("utf-8"))
+                if size > MAX_TRAINING_LINE_BYTES:
+                    long_lines.append(size)
+                else:
                     yield line
             fed += len(text)
         if fed >= MAX_TOKENIZER_TRAIN_BYTES:

@@ -28,6 +28,8 @@ logger = logging.getLogger(__name__)
 SPECIAL_IDS = {"unk_id": 0, "bos_id": 1, "eos_id": 2, "pad_id": 3}
 # Bump when TRAINER_OPTIONS change: a prepared directory's fingerprint includes it.
 TRAINER_VERSION = 1
+# sentencepiece skips a training line longer than this (in UTF-8 bytes); prepare leaves such lines out and says so.
+MAX_TRAINING_LINE_BYTES = 1 << 16
 TRAINER_OPTIONS = {
     "model_type": "bpe",
     "byte_fallback": True,
@@ -38,7 +40,7 @@ TRAINER_OPTIONS = {
     "split_digits": True,
     "allow_whitespace_only_pieces": True,
     # Docstring and prose lines are short, but one long line should not be dropped silently.
-    "max_sentence_length": 1 << 16,
+    "max_sentence_length": MAX_TRAINING_LINE_BYTES,
     "minloglevel": 2,
     **SPECIAL_IDS,
 }

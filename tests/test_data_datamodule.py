@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 from types import SimpleNamespace
 
 import lightning as L
+import numpy as np
 import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
@@ -223,3 +225,39 @@ def test_resume_with_other_accumulation_continues_by_tokens(data_dir: Path, tmp_
     resumed = _fit(data_dir, tmp_path / "b", ckpt_path=str(tmp_path / "a" / "epoch=0-step=2.ckpt"), accumulate=1)
     assert len(resumed) == 2
     assert all(torch.equal(a, b) for a, b in zip(straight[4:6], resumed, strict=True))
+
+
+@pytest.mark.parametrize("damage, message", [
+    # same size, every id 65535 (vocabulary 384): an IndexError at step 1 before, a device-side assert on a GPU
+    (lambda d: (d / "train.bin").write_bytes(b"\xff" * (d / "train.bin").stat().st_size),
+     r"train.bin holds token id 65535 at position 0, outside the vocabulary of \d+"),
+    (lambda d: _write_index(d, "train.idx", lambda s: s.__setitem__(-1, 10**15)),
+     r"train.idx holds document starts that do not rise from 0 within the \d+ tokens"),
+    (lambda d: _write_index(d, "val.idx", lambda s: s.__setitem__(0, -7)),
+     r"val.idx holds document starts that do not rise from 0"),
+])
+def test_ids_outside_the_vocabulary_and_a_bad_index_are_refused_at_open(data_dir: Path, tmp_path: Path, damage,
+                                                                       message: str) -> None:
+    damaged = tmp_path / "damaged"
+    shutil.copytree(data_dir, damaged)
+    damage(damaged)
+    with pytest.raises(DataError, match=rf"'.*damaged' is damaged \(.*{message}"):
+        make(damaged)
+
+
+def _write_index(directory: Path, name: str, edit) -> None:
+    starts = np.fromfile(directory / name, dtype=np.int64)
+    edit(starts)
+    starts.tofile(directory / name)
+
+
+def test_a_long_split_is_checked_on_evenly_spaced_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
+    from data import layout
+
+    monkeypatch.setattr(layout, "FULL_ID_CHECK_TOKENS", 1 << 17)  # 2 blocks of 2^16
+    tokens = np.zeros(1 << 20, dtype=np.uint16)
+    tokens[-1] = 500  # the last block is one of the two checked
+    assert layout._id_problems(Path("t.bin"), tokens, 384) == [
+        f"t.bin holds token id 500 at position {(1 << 20) - 1}, outside the vocabulary of 384"]
+    tokens[-1], tokens[1 << 19] = 0, 500  # between the checked blocks: a sample does not see it
+    assert layout._id_problems(Path("t.bin"), tokens, 384) == []

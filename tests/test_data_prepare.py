@@ -486,3 +486,35 @@ def test_resume_of_a_streamed_hub_dataset(tmp_path: Path, monkeypatch: pytest.Mo
     assert calls[0] == 8  # streamed records before the saved progress were skipped, not re-encoded
     for name in ("train.bin", "val.bin", "train.idx", "val.idx"):
         assert (out / name).read_bytes() == (straight / name).read_bytes(), name
+
+
+def test_an_oversized_document_is_refused_in_one_line_leaving_nothing(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """A document over the bound (a 1 GB single line aborted sentencepiece with std::bad_alloc) is refused naming
+    the file, before a .txt file is read, and mid-stream for a JSON-lines record; no `.partial` is left behind."""
+    monkeypatch.setattr(corpus, "MAX_DOCUMENT_BYTES", 4096)
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "big.txt").write_text("abcdefgh " * 500)
+    assert main(["--input", str(tmp_path / "in"), "--output", str(tmp_path / "out"), "--vocab_size", "300"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "big.txt' (one .txt file is one document) holds 4,500 bytes, more than the 4,096" in err
+    (tmp_path / "in" / "big.txt").unlink()
+    rows = [{"text": "short words here " * 10}] * 3 + [{"text": "é" * 4000}]  # 4,000 characters, 8,000 bytes
+    (tmp_path / "in" / "r.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(DataError, match=r"record 4 of json input '.*r\.jsonl' holds 8,000 bytes"):
+        prepare([tmp_path / "in"], output=tmp_path / "out", vocab_size=300)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in"]
+
+
+def test_lines_sentencepiece_cannot_train_on_are_named(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """sentencepiece drops training lines over its bound without a word: a corpus of only such lines failed with
+    an empty reason, and a mixed one trained on part of its text silently. Both now say how many were left out."""
+    (tmp_path / "long").mkdir()
+    (tmp_path / "long" / "a.txt").write_text("abcdefgh " * 8000)  # one 72,000-byte line
+    with pytest.raises(DataError, match=r"1 line\(s\) longer than sentencepiece's 65,536-byte bound on a training "
+                                        r"line, the longest 72,000 bytes, were left out"):
+        prepare([tmp_path / "long"], output=tmp_path / "out", vocab_size=VOCAB)
+    (tmp_path / "long" / "b.txt").write_text("\n".join(prose_documents(40)))
+    with caplog.at_level("WARNING"):
+        prepare([tmp_path / "long"], output=tmp_path / "out", vocab_size=VOCAB, val_fraction=0.0)
+    assert "the tokenizer was trained without 1 line(s) longer than sentencepiece's" in caplog.text

@@ -6,7 +6,8 @@ How each command is checked, when not simply run (`CHECKS` says it per line; a R
 - `pip install ...` needs the network: its extras must exist in pyproject.toml and its torch pin satisfy the
   dependency range.
 - `normlab fit` (the default job: minutes): `--print_config` must show the sizes the README states; the same
-  command then runs on the tiny corpus for 2 steps, as `runs/default`, for the commands after it.
+  command then runs on the tiny corpus for 2 steps, as `runs/default`, for the commands after it — in a process
+  where the packages of the extras cannot be imported, so the user's install (`pip install -e .`) is enough.
 - `normlab fit --init_from models/qwen3-0.6b ...`: a tiny random Qwen3 stands in for the download (no Hub here).
 - `normlab sweep ... --max_parallel 2` (37 minutes): with `--dry_run`; `--report` before any run has finished:
   its one-line answer (the report itself: tests/test_sweep_report.py).
@@ -28,7 +29,7 @@ import lightning.pytorch  # noqa: F401  (before capsys: Lightning binds its log 
 import pytest
 import yaml
 
-from tests.helpers.multiproc import REPO
+from tests.helpers.multiproc import REPO, cpu_env
 from tests.helpers.published import bpe_tokenizer, hf_model_dir, run_config
 from tests.test_data_support import prose_documents
 from training.cli import main
@@ -103,7 +104,21 @@ def check_default_job(args: list[str], world: dict) -> None:
     from data.prepare import DEFAULT_VOCAB_SIZE
 
     assert DEFAULT_VOCAB_SIZE == vocab
-    run_tiny_fit(args, world)
+    given = ["fit", "-c", str(TINY), "--data.path", str(world["tiny"]), *args[1:], *TINY_FIT]
+    proc = subprocess.run([sys.executable, "-c", WITHOUT_EXTRAS, *given], capture_output=True, text=True,
+                          timeout=300, env=cpu_env())
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-2000:]
+
+
+# The top-level packages only the extras bring ([test], [eval], [loggers]): the user's install has none of them.
+EXTRAS_ONLY = ("pytest", "triton", "ruff", "wandb", "mlflow", "lm_eval", "accelerate", "peft")
+# None in sys.modules makes `import` fail and `importlib.util.find_spec` answer None, as for an absent package.
+WITHOUT_EXTRAS = f"""
+import sys
+sys.modules.update(dict.fromkeys({EXTRAS_ONLY!r}))
+from training.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
 
 
 def run_tiny_fit(args: list[str], world: dict, config: Path = TINY, data: str | None = None) -> None:
@@ -168,7 +183,7 @@ def check_pytest(args: list[str], world: dict) -> None:
 
 
 CHECKS = {  # the README's command lines, in its order, and how each is checked
-    "pip install torch==2.13.0 -e .[test,eval]": check_pip,
+    "pip install torch==2.13.0 -e .": check_pip,
     "normlab fit": check_default_job,
     "normlab fit --model.placement post --name post": run_tiny_fit,
     "normlab compare runs/default runs/post --plot compare.png": check_compare,
@@ -182,6 +197,7 @@ CHECKS = {  # the README's command lines, in its order, and how each is checked
     "normlab fit --init_from models/qwen3-0.6b --data.path data/qwen3 --name qwen3-cpt": check_published,
     "normlab fit --init_from models/qwen3-0.6b --data.path data/qwen3 --name qwen3-dyt --model.norm dyt":
         check_published,
+    "pip install torch==2.13.0 -e .[test,eval]": check_pip,
     "ruff check .": check_ruff,
     "pytest -q": check_pytest,
 }

@@ -17,9 +17,9 @@ from tests.helpers.multiproc import REPO
 from tests.helpers.runs import scalars
 from training.callbacks import NonFiniteGuard, RNGState, StepCheckpoint, TrainingHealth
 from training.callbacks.order import arrange, position
-from training.checkpointing import layout
 from training.cli import main
 from training.errors import DEBUG_ENV
+from training.run import layout
 
 pytestmark = pytest.mark.filterwarnings("ignore:LightningCLI's args parameter")
 

@@ -17,9 +17,9 @@ import torch
 
 from model import ModelConfig, Transformer
 from tests.helpers.multiproc import REPO
-from training.checkpointing import layout
 from training.cli import COMMANDS, main
 from training.errors import DEBUG_ENV, UserError
+from training.run import layout
 
 pytestmark = pytest.mark.filterwarnings("ignore:LightningCLI's args parameter")
 

@@ -7,7 +7,8 @@ import logging
 
 import pytest
 
-from training.cluster import REQUEUE_RECORD, ClusterConfig, requeue
+from training.cluster import ClusterConfig, requeue
+from training.run.layout import REQUEUES_FILE
 
 
 def history(*steps: int) -> str:
@@ -19,7 +20,7 @@ def test_a_run_requeued_max_requeues_times_without_progress_is_not_requeued_agai
     """Three requeues in a row that all resumed from step 8 and got no further: a fourth is refused in one line
     naming the run and the step, and nothing is asked of Slurm (the record stays as it was)."""
     monkeypatch.setenv("SLURM_JOB_ID", "7")
-    record = tmp_path / REQUEUE_RECORD
+    record = tmp_path / REQUEUES_FILE
     record.write_text(history(4, 8, 8, 8))
     with caplog.at_level(logging.ERROR, logger="training.cluster"):
         assert not requeue(tmp_path, 8, "warned by SIGUSR1", max_requeues=3)
@@ -34,7 +35,7 @@ def test_progress_resets_the_count(tmp_path, monkeypatch, caplog):
     there is no `scontrol`: the call says so in one line and returns False)."""
     monkeypatch.setenv("SLURM_JOB_ID", "7")
     monkeypatch.setenv("PATH", str(tmp_path))  # (no scontrol there)
-    record = tmp_path / REQUEUE_RECORD
+    record = tmp_path / REQUEUES_FILE
     record.write_text(history(4, 8, 8, 8))
     with caplog.at_level(logging.ERROR, logger="training.cluster"):
         assert not requeue(tmp_path, 12, "warned by SIGUSR1", max_requeues=3)
@@ -46,7 +47,7 @@ def test_progress_resets_the_count(tmp_path, monkeypatch, caplog):
 def test_outside_slurm_nothing_is_requeued(tmp_path, monkeypatch):
     monkeypatch.delenv("SLURM_JOB_ID", raising=False)
     assert not requeue(tmp_path, 5, "warned by SIGUSR1", max_requeues=3)
-    assert not (tmp_path / REQUEUE_RECORD).exists()
+    assert not (tmp_path / REQUEUES_FILE).exists()
 
 
 @pytest.mark.parametrize("field, value, message", [

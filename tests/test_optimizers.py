@@ -19,12 +19,12 @@ from torch.utils.data import DataLoader
 from model import ModelConfig, Transformer
 from tests.helpers.multiproc import REPO
 from tests.test_cli import run
-from training.checkpointing.manifest import Manifest, file_sizes, hash_files
 from training.cli import main
 from training.errors import DEBUG_ENV
 from training.lit_module import LitLM
 from training.optim import OptimConfig, build_optimizer, named_kinds
 from training.optimizers import OPTIMIZERS, Optimizer
+from training.run.manifest import Manifest, file_sizes, hash_files
 
 pytestmark = pytest.mark.filterwarnings("ignore:LightningCLI's args parameter")
 

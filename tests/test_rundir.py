@@ -12,7 +12,7 @@ import yaml
 
 from tests.helpers.runs import scalars
 from training.cli import main as normlab
-from training.rundir import RunDir
+from training.run.dir import RunDir
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -26,7 +26,7 @@ def run(single_run: Path, tmp_path: Path) -> Path:
 def test_there_is_one_tensorboard_reader():
     readers = sorted(str(p.relative_to(REPO)) for folder in ("training", "scripts", "data", "model")
                      for p in (REPO / folder).rglob("*.py") if "EventAccumulator" in p.read_text())
-    assert readers == ["training/rundir.py"]
+    assert readers == ["training/run/dir.py"]
 
 
 def test_scalars_keep_the_newest_value_of_a_step_logged_twice(run):

@@ -35,7 +35,7 @@ class Toy:
 
 def test_a_new_executor_is_one_class_and_one_entry(tmp_path, monkeypatch, capsys):
     from training.cli import main
-    from training.rundir import RUN_RECORD
+    from training.run.layout import RUN_RECORD
     from training.sweep.state import run_status, write_json
 
     toy = Toy()

@@ -8,7 +8,7 @@
 small (~7.4M parameter) Llama-style model, fp32 on CPU (bf16-mixed on a GPU), logging to `runs/default/`.
 
 Run layout: `--runs_dir`/`--name` (default `runs/default`) holds the TensorBoard events, `config.yaml` and
-`checkpoints/step-XXXXXXXX/` (layout: training/checkpointing/layout.py; saving: training/callbacks/step_checkpoint.py),
+`checkpoints/step-XXXXXXXX/` (layout: training/run/layout.py; saving: training/checkpointing/save.py),
 and `spikes/step-XXXXXXXX/` with `--guard.dump_spike_z` (training/callbacks/spikes.py).
 `--ckpt_path last` resumes the newest complete checkpoint — or starts fresh when there is none, so one command
 both starts and resumes a job. `--branch_from` starts a new run from another run's checkpoint
@@ -28,7 +28,7 @@ from typing import Any, NoReturn
 
 from training import signals
 from training.console import quiet_third_party
-from training.errors import UserError, is_user_error, report
+from training.errors import UserError, is_user_error, report_user_error
 from training.subcommands import LIGHTNING_SUBCOMMANDS
 
 # Plain commands: name → ("module:function", one-line help). The function takes the remaining argv and returns
@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as err:
         if not is_user_error(err):
             raise
-        return report(command, err)
+        return report_user_error(command, err)
 
 
 def run_command(command: str, argv: list[str]) -> int:

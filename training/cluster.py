@@ -28,12 +28,13 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from training.checkpointing.manifest import write_text_atomic
+from data.atomic import write_text_atomic
+from training.run.dir import RunDir
+from training.run.layout import REQUEUES_FILE
 from training.signals import WARNING_SIGNALS
 
 log = logging.getLogger(__name__)
 
-REQUEUE_RECORD = "requeues.json"
 # In a run's log: a rank ended because another rank stopped responding (a hung process or a lost node). The
 # sweep's Slurm task requeues such a run (training/sweep/slurm.py).
 LOST_RANK = "another rank stopped responding"
@@ -124,14 +125,6 @@ def collective_failure(err: BaseException, timeout_s: float | None = None) -> st
             "resume it with --ckpt_path last (a Slurm job with --requeue comes back by itself when its node failed)")
 
 
-def read_requeues(run_dir: Path) -> list[dict[str, Any]]:
-    path = Path(run_dir) / REQUEUE_RECORD
-    try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        return []
-
-
 def requeue(run_dir: Path, step: int, reason: str, max_requeues: int) -> bool:
     """Ask Slurm to requeue this job (`scontrol requeue $SLURM_JOB_ID`), to resume the run in `run_dir` from its
     checkpoint at `step` — unless it has been requeued `max_requeues` times in a row without getting past `step`.
@@ -141,7 +134,7 @@ def requeue(run_dir: Path, step: int, reason: str, max_requeues: int) -> bool:
         log.warning("%s at step %d, but this is not a Slurm job: not requeued (resume with --ckpt_path last)",
                     reason, step)
         return False
-    history = read_requeues(run_dir)
+    history = list(RunDir(run_dir).requeues)
     stalled = 0
     for entry in reversed(history):
         if entry["step"] < step:
@@ -153,7 +146,7 @@ def requeue(run_dir: Path, step: int, reason: str, max_requeues: int) -> bool:
         return False
     history.append({"job": job, "restart": int(os.environ.get("SLURM_RESTART_COUNT", "0")), "step": step,
                     "reason": reason, "time": time.time()})
-    write_text_atomic(Path(run_dir) / REQUEUE_RECORD, json.dumps(history, indent=1) + "\n")
+    write_text_atomic(Path(run_dir) / REQUEUES_FILE, json.dumps(history, indent=1) + "\n")
     # Logged first: a successful requeue ends this job at once (Slurm signals its processes).
     log.info("%s at step %d: requeueing job %s (restart %d)", reason, step, job, len(history))
     try:

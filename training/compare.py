@@ -32,10 +32,10 @@ from typing import Any
 import numpy as np
 
 from training.errors import UserError
-from training.errors import report as report_error
+from training.errors import report_user_error as report_error
 from training.eval import metrics
 from training.plotting import pyplot, save_figure
-from training.rundir import RunDir
+from training.run.dir import RunDir
 from training.sweep.results import TRAIN_LOSS, RunResult, plain_tags, result
 from training.sweep.state import alive
 

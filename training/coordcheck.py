@@ -26,7 +26,7 @@ import torch
 from data.atomic import write_text_atomic
 from model import ModelConfig, Transformer
 from model.probes import record, token_rms
-from training.errors import UserError, report
+from training.errors import UserError, report_user_error
 from training.optim import OptimConfig, build_optimizer
 from training.plotting import pyplot, save_figure
 
@@ -157,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
         args.output.mkdir(parents=True, exist_ok=True)
         results = run(spec, configs)
     except UserError as err:
-        return report("coordcheck", err)
+        return report_user_error("coordcheck", err)
     text = table(results)
     write_text_atomic(args.output / "coordcheck.md", text)
     write_text_atomic(args.output / "coordcheck.json", json.dumps(results, indent=1) + "\n")

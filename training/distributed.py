@@ -8,7 +8,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from training.checkpointing.manifest import CheckpointError
+from training.errors import CheckpointError
 
 T = TypeVar("T")
 

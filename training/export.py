@@ -21,8 +21,8 @@ from data.layout import load_tokenizer
 from model import Transformer
 from model.hf_compat import hf_family, to_hf
 from model.mup import to_standard
-from training.checkpointing.load import NORMLAB_EXPORT_CONFIG, CheckpointError, Loaded, load_checkpoint
-from training.errors import UserError, report
+from training.checkpointing.load import NORMLAB_EXPORT_CONFIG, Loaded, load_checkpoint
+from training.errors import CheckpointError, UserError, report_user_error
 
 
 def _special_tokens(tokenizer_path: Path) -> dict[str, tuple[str, int]]:
@@ -153,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         out = export(args.checkpoint, args.output, args.dtype, args.fmt, args.overwrite)
     except (CheckpointError, ValueError) as err:  # (ValueError: a config with no Hugging Face equivalent)
-        return report("export", err)
+        return report_user_error("export", err)
     print(f"exported {args.checkpoint} → {out} ({args.fmt}, {args.dtype})")
     return 0
 

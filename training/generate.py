@@ -7,8 +7,8 @@ import math
 import torch
 
 from model.generate import generate
-from training.checkpointing.load import CheckpointError, load_checkpoint
-from training.errors import UserError, report
+from training.checkpointing.load import load_checkpoint
+from training.errors import CheckpointError, UserError, report_user_error
 
 
 def check_sampling(args: argparse.Namespace) -> None:
@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
             raise UserError(f"the prompt is {prompt.shape[1]} tokens, the model's max_seq_len is "
                             f"{loaded.model.cfg.max_seq_len}; shorten --prompt")
     except (CheckpointError, UserError) as err:
-        return report("generate", err)
+        return report_user_error("generate", err)
     g = torch.Generator(device=device).manual_seed(args.seed)
     out = generate(loaded.model, prompt, min(args.max_new_tokens, room), temperature=args.temperature,
                    top_k=args.top_k, top_p=args.top_p, eos_id=tok.eos_id, generator=g)

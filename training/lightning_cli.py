@@ -45,9 +45,7 @@ from training.callbacks.order import arrange
 from training.callbacks.progress import step_counting
 from training.callbacks.summary import log_closing_lines, with_norm_summary
 from training.callbacks.timeout import CollectiveTimeout
-from training.checkpointing import branch, init_from, layout, resume
-from training.checkpointing.layout import complete_checkpoints, step_of
-from training.checkpointing.manifest import Manifest
+from training.checkpointing import branch, init_from, resume
 from training.checkpointing.plan import RunPlan, plan
 from training.checkpointing.safe import SafeCheckpointIO, refuse_code, safe_torch_load
 from training.checkpointing.save import RunRecord
@@ -55,7 +53,10 @@ from training.errors import UserError, is_user_error
 from training.lit_module import lit_lm
 from training.loggers import LOGGERS, RecordLoggerRuns, run_loggers, start_wandb
 from training.optim import OptimConfig, renamed_option
-from training.run_lock import RunLock, acquire, is_first_rank
+from training.run import layout
+from training.run.layout import complete_checkpoints, step_of
+from training.run.lock import RunLock, acquire, is_first_rank
+from training.run.manifest import Manifest
 from training.strategy import DeepSpeed, default_precision, is_deepspeed, resolve_strategy  # registers zeroN
 from training.subcommands import LIGHTNING_SUBCOMMANDS
 
@@ -168,7 +169,7 @@ class NormlabCLI(LightningCLI):
         cli_checks.check_trainer(self.subcommand, config.trainer, config.optim, warn=is_first_rank())
         check_name(config.name)
         root = config.trainer.default_root_dir
-        if is_first_rank():  # one writer per run directory (training/run_lock.py), before anything reads it
+        if is_first_rank():  # one writer per run directory (training/run/lock.py), before anything reads it
             self.lock = acquire(root, f"normlab {self.subcommand}")
         self.plan = plan(self.subcommand, config.ckpt_path, config.branch_from, root)
         # (The first rank only: the others may start after it wrote its own config.yaml.)

@@ -47,14 +47,14 @@ from lightning.pytorch.strategies import DeepSpeedStrategy, Strategy, StrategyRe
 from lightning.pytorch.trainer.states import TrainerFn
 
 from training import compat
-from training.checkpointing.layout import DEEPSPEED_TAG
 from training.checkpointing.load import deepspeed_state_dict
-from training.checkpointing.manifest import MANIFEST, CheckpointError, Manifest
 from training.checkpointing.safe import no_code_from_checkpoints
 from training.checkpointing.universal import to_universal, verify_cache
 from training.compat import DeepSpeedStrategyPatches, repair_zero3_universal_load, restore_full_weights
 from training.distributed import together
-from training.errors import UserError
+from training.errors import CheckpointError, UserError
+from training.run.layout import DEEPSPEED_TAG, MANIFEST
+from training.run.manifest import Manifest
 
 log = logging.getLogger(__name__)
 

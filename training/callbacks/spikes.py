@@ -36,7 +36,6 @@ import json
 import logging
 import math
 import os
-import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -44,17 +43,16 @@ from typing import Any
 import torch
 from lightning.pytorch import LightningModule, Trainer
 
+from data.atomic import fsync_path
 from model.names import layer_index
 from model.probes import grad_norms
-from training.checkpointing.layout import TMP_PREFIX, fsync_path, step_dirname
 from training.distributed import full_param, gather_objects
+from training.run.layout import SPIKES_DIR, TMP_PREFIX, step_dirname, step_of_name
 from training.strategy import is_deepspeed
 
 log = logging.getLogger(__name__)
 
-SPIKES_DIR = "spikes"
 BATCH_FILE, SPIKE_FILE = "batch.safetensors", "spike.json"
-_STEP_DIR = re.compile(r"^step-(\d{8})$")
 
 
 def mean_and_std(values: list[float]) -> tuple[float, float]:
@@ -90,7 +88,7 @@ def dumps_in(run_dir: str | Path, up_to_step: int) -> int:
     root = Path(run_dir) / SPIKES_DIR
     if not root.is_dir():
         return 0
-    return sum(1 for p in root.iterdir() if (m := _STEP_DIR.match(p.name)) and int(m.group(1)) <= up_to_step)
+    return sum(1 for p in root.iterdir() if (step := step_of_name(p.name)) is not None and step <= up_to_step)
 
 
 class SpikeRecorder:

@@ -20,18 +20,12 @@ from typing import Any
 from lightning.pytorch import Callback, LightningModule, Trainer
 
 from training import signals
-from training.checkpointing.layout import (
-    MANIFEST,
-    CheckpointError,
-    ckpt_dir_of,
-    complete_checkpoints,
-    git_revision,
-    incomplete_checkpoints,
-    move_aside,
-)
 from training.checkpointing.resume import check_resume
-from training.checkpointing.save import RunRecord, save_step
+from training.checkpointing.save import RunRecord, move_aside, save_step
 from training.compat import own_signals, require
+from training.errors import CheckpointError
+from training.run.layout import MANIFEST, ckpt_dir_of, complete_checkpoints, incomplete_checkpoints
+from training.run.manifest import git_revision
 
 log = logging.getLogger(__name__)
 

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
-from training.checkpointing.manifest import CheckpointError
+from training.errors import CheckpointError
 
 
 def _allowed() -> list[Any]:

@@ -12,12 +12,11 @@ import argparse
 import json
 from pathlib import Path
 
-from training.checkpointing.layout import write_text_atomic
-from training.checkpointing.load import CheckpointError
-from training.errors import UserError, report
+from data.atomic import write_text_atomic
+from training.errors import CheckpointError, UserError, report_user_error
 from training.eval.heldout import evaluate_sets, split_line
 from training.eval.history import evaluate_run
-from training.rundir import RunDir
+from training.run.dir import RunDir
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -55,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
         results = evaluate_sets(args.checkpoint, args.data, args.split, args.max_tokens, args.batch_size,
                                 args.device)
     except (CheckpointError, ValueError) as err:
-        return report("evaluate", err)
+        return report_user_error("evaluate", err)
     if args.output:
         out = results[0] if len(results) == 1 else {"sets": {r["set"]: r for r in results}}
         write_text_atomic(args.output, json.dumps(out, indent=2) + "\n")
@@ -72,7 +71,7 @@ def _run_tasks(args: argparse.Namespace, run_dir: bool) -> int:
     except ModuleNotFoundError as err:
         if (err.name or "").split(".")[0] != "lm_eval":
             raise
-        return report("evaluate", UserError('--tasks needs lm-evaluation-harness, which is not installed: '
+        return report_user_error("evaluate", UserError('--tasks needs lm-evaluation-harness, which is not installed: '
                                             'pip install -e ".[eval]"'))
     if args.data:
         raise ValueError("--tasks scores harness tasks and takes no --data")

@@ -23,10 +23,12 @@ from tqdm import tqdm
 from data.dataset import val_starts, window_batch
 from data.layout import document_starts, load_tokenizer, open_tokens, read_meta
 from data.tokenizer import sha256_file
-from training.checkpointing.load import CheckpointError, load_checkpoint
-from training.checkpointing.manifest import MANIFEST, Manifest
+from training.checkpointing.load import load_checkpoint
+from training.errors import CheckpointError
 from training.eval.metrics import LossTotals, batch_loss, split_batch, tags
 from training.loggers import write_scalars
+from training.run.layout import MANIFEST
+from training.run.manifest import Manifest
 
 log = logging.getLogger(__name__)
 

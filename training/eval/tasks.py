@@ -32,10 +32,10 @@ from lm_eval import utils
 from lm_eval.evaluator import evaluate
 from lm_eval.tasks import TaskManager
 
-from training.checkpointing.layout import write_text_atomic
+from data.atomic import write_text_atomic
 from training.eval import history
 from training.loggers import write_scalars
-from training.rundir import RunDir
+from training.run.dir import RunDir
 
 log = logging.getLogger(__name__)
 
@@ -183,7 +183,8 @@ def run_tasks(checkpoint: str | Path, tasks: list[str], num_fewshot: int | None 
     item (`samples`) and normlab's per-task `metrics`."""
     import torch
 
-    from training.checkpointing.load import CheckpointError, load_checkpoint
+    from training.checkpointing.load import load_checkpoint
+    from training.errors import CheckpointError
     from training.eval.harness import NormlabLM
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -213,8 +214,9 @@ def evaluate_run_tasks(run_dir: str | Path, tasks: list[str], num_fewshot: int |
                        include_path: str | None = None) -> dict[int, dict[str, dict[str, float]]]:
     """Every complete checkpoint of `run_dir` not yet scored on these tasks with the same settings (by the loop
     or an earlier call), in step order; returns {step: metrics} of the new ones."""
-    from training.checkpointing.layout import Manifest, checkpoints_dir
-    from training.checkpointing.load import CheckpointError
+    from training.errors import CheckpointError
+    from training.run.layout import checkpoints_dir
+    from training.run.manifest import Manifest
 
     run = RunDir(run_dir)
     checkpoints = run.checkpoints()

@@ -27,11 +27,11 @@ from collections.abc import Callable
 from typing import Any
 
 from training.errors import UserError
-from training.rundir import RunDir
+from training.run.dir import RunDir
+from training.run.layout import LOG_FILE
 from training.sweep import progress
 from training.sweep.launch import Snapshot, train
 from training.sweep.spec import Run, Spec
-from training.sweep.state import LOG_FILE
 
 POLL_SECONDS = 2.0  # how often running runs are looked at for their start-up and checkpoints
 

@@ -18,8 +18,8 @@ from typing import Any
 
 import yaml
 
-from training.checkpointing.layout import CONFIG_FILE
-from training.rundir import RunDir
+from training.run.dir import RunDir
+from training.run.layout import CONFIG_FILE
 from training.sweep.spec import Run, Spec
 from training.sweep.state import run_status
 
@@ -117,7 +117,7 @@ def duration(seconds: float | None) -> str:
 
 
 # The order the counts are printed in, whatever order the runs reached their states in (unknown ones last).
-STATUS_ORDER = ("finished", "diverged", "failed", "running", "pending")  # rundir.STATUSES, ended first
+STATUS_ORDER = ("finished", "diverged", "failed", "running", "pending")  # run.dir.STATUSES, ended first
 
 
 def counts(views: list[RunView]) -> str:

@@ -17,7 +17,7 @@ from typing import Any
 
 from data.atomic import write_text_atomic
 from training.errors import UserError
-from training.rundir import RunDir
+from training.run.dir import RunDir
 from training.sweep import plots
 from training.sweep.analysis import cells_of, lr_groups
 from training.sweep.results import RunResult, plain_tags, result

@@ -17,9 +17,10 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from training.errors import UserError
+from training.run.lock import locked
 from training.sweep.launch import Snapshot, check_unchanged
 from training.sweep.spec import Run, Spec
-from training.sweep.state import locked, run_status, write_state
+from training.sweep.state import run_status, write_state
 
 log = logging.getLogger(__name__)
 

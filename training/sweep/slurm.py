@@ -41,16 +41,17 @@ import time
 from pathlib import Path
 from typing import Any
 
+from data.atomic import write_text_atomic
 from training import cluster
-from training.checkpointing.manifest import write_text_atomic
-from training.cluster import LOST_RANK, read_requeues
+from training.cluster import LOST_RANK
 from training.errors import UserError
-from training.rundir import RunDir
+from training.run.dir import RunDir
+from training.run.layout import LOG_FILE
 from training.signals import WARNING_SIGNALS
 from training.sweep.launch import config_hashes, identity, train
 from training.sweep.runner import claimed, status_table
 from training.sweep.spec import Run, Spec, load_spec
-from training.sweep.state import LOG_FILE, write_json, write_state
+from training.sweep.state import write_json, write_state
 
 log = logging.getLogger("training.sweep.slurm")  # also when run as __main__ (the array task)
 
@@ -239,7 +240,7 @@ def task_main(argv: list[str]) -> int:
     restart = int(os.environ.get("SLURM_RESTART_COUNT", "0"))
     log.info("%s: %s (restart %d)", run.rel, status, restart)
     record = RunDir(run_dir).record or {}
-    already = any(r.get("restart") == restart for r in read_requeues(run_dir))  # (the fit's own requeue)
+    already = any(r.get("restart") == restart for r in RunDir(run_dir).requeues)  # (the fit's own requeue)
     if status == "failed" and not task.received and not already and lost_rank(record.get("exit_code", 0), run_dir,
                                                                                  log_from):
         step = RunDir(run_dir).progress()[0]
@@ -250,7 +251,7 @@ def task_main(argv: list[str]) -> int:
 
 if __name__ == "__main__":
     from training.cli import _setup_logging
-    from training.errors import is_user_error, report
+    from training.errors import is_user_error, report_user_error
 
     _setup_logging()
     try:
@@ -258,4 +259,4 @@ if __name__ == "__main__":
     except Exception as err:
         if not is_user_error(err):
             raise
-        sys.exit(report("sweep", err))
+        sys.exit(report_user_error("sweep", err))

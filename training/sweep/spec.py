@@ -29,7 +29,6 @@ it or resumes it from its newest complete checkpoint.
 from __future__ import annotations
 
 import itertools
-import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,6 +37,7 @@ from typing import Any
 import yaml
 
 from training.errors import UserError
+from training.run.membership import format_value
 
 SPEC_KEYS = ("name", "runs_dir", "base", "grid", "zip", "seeds", "data_order", "metric", "mode", "baseline",
              "margin", "lr_key", "question", "compare", "slurm")
@@ -132,17 +132,6 @@ class Spec:
 def short_names(keys: list[str]) -> dict[str, str]:
     last = [k.rsplit(".", 1)[-1] for k in keys]
     return {k: s if last.count(s) == 1 else k for k, s in zip(keys, last, strict=True)}
-
-
-def format_value(value: Any) -> str:
-    """A value as `fit` parses it (YAML) and as a cell name shows it: 0.003, post, true, null, [1, 2]."""
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (int, float, str)):
-        return repr(value) if isinstance(value, float) else str(value)
-    return json.dumps(value)
 
 
 def _same_value(value: Any) -> Any:

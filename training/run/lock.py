@@ -1,4 +1,6 @@
-"""One writer per run directory: `normlab fit | validate | test` hold `<run dir>/.lock` while they run.
+"""File locks: one writer per run directory (`acquire`), and the flock a sweep's processes take in turn (`locked`).
+
+`normlab fit | validate | test` hold `<run dir>/.lock` while they run.
 
 A second process on the same run directory is refused with one line naming the holder (pid, host, command,
 start time) — two fits on one `--name` would otherwise move each other's in-flight saves aside and purge each
@@ -22,14 +24,16 @@ import logging
 import os
 import socket
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from training.errors import UserError
+from training.run.layout import LOCK_FILE
 
 log = logging.getLogger(__name__)
 
-LOCK_FILE = ".lock"
 # Environment variables a launcher sets to a process's rank (torchrun/DeepSpeed: RANK; Lightning's own launcher:
 # LOCAL_RANK and NODE_RANK; srun: SLURM_PROCID; jsrun: JSM_NAMESPACE_RANK). The first rank has 0 in each it sets.
 _RANK_VARS = ("RANK", "LOCAL_RANK", "NODE_RANK", "SLURM_PROCID", "JSM_NAMESPACE_RANK")
@@ -115,3 +119,21 @@ def _holder(fd: int) -> str:
         return f"pid {record['pid']} on {record['host']}, {record['command']}, since {record['since']}"
     except (OSError, ValueError, KeyError, TypeError):
         return "it is starting"
+
+
+@contextmanager
+def locked(path: Path, blocking: bool = True) -> Iterator[bool]:
+    """An exclusive flock on `path` for the block — a sweep's directory, its state file, its trackers' shared
+    experiment — released by the kernel if the holder dies, even by kill -9; yields whether it was taken (always
+    True when blocking). The file stays: many processes take it in turn."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
+        except BlockingIOError:
+            yield False
+            return
+        yield True
+    finally:
+        os.close(fd)

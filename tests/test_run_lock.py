@@ -17,9 +17,10 @@ import pytest
 from tests.helpers.multiproc import REPO, cpu_env
 from tests.helpers.runs import read_manifest
 from training.cli import main
+from training.cluster.rank import is_first_rank
 from training.errors import DEBUG_ENV
 from training.run import layout
-from training.run.lock import LOCK_FILE, acquire, is_first_rank
+from training.run.lock import LOCK_FILE, acquire
 
 pytestmark = pytest.mark.filterwarnings("ignore:LightningCLI's args parameter")
 

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 
-from training import signals
+from training.cluster import signals
 from training.errors import UserError
 from training.loggers import log_scalars
 

@@ -6,7 +6,7 @@ reads at start-up) — so two runs never fight over one core and a run's speed d
 Runs are independent processes: one that diverges or crashes is recorded and the others go on.
 
 The fit processes stay in the sweep's process group, so Ctrl-C (or `kill -- -PGID`) reaches them all; on SIGTERM
-the executor also forwards SIGTERM to each run, which saves its step and exits (training/signals.py); on
+the executor also forwards SIGTERM to each run, which saves its step and exits (training/cluster/signals.py); on
 either it starts no new run. After a `kill -9` the next sweep resumes the interrupted runs.
 
 It prints one line per event of a run — started, up (its first TensorBoard event: start-up over), a new

@@ -14,10 +14,10 @@ Time limits (measured with Slurm 22.05): `--signal=B:USR1@<signal_seconds>` make
 only the batch step — that long before the limit. The task passes the warning on to its fit: to the process
 itself, or to `srun`, which forwards SIGUSR1/SIGUSR2 to every task of the step (SIGTERM or SIGHUP to srun would
 terminate the step at once: "forcing job termination", tasks killed). The fit's ranks finish their step, save it,
-and the fit's rank 0 requeues the job (`scontrol requeue`, training/cluster.py); the requeued task resumes from
+and the fit's rank 0 requeues the job (`scontrol requeue`, training/cluster/requeue.py); the requeued task resumes from
 that checkpoint. SIGTERM to the task (scancel) is passed on the same way, but the fit then only saves and exits:
 whether the job comes back is Slurm's decision. A fit whose rank was lost (a node's processes killed, a hung rank
-timed out: see cluster.collective_failure) makes the task requeue the job, unless the run has been requeued
+timed out: see training/cluster/failure.py) makes the task requeue the job, unless the run has been requeued
 `max_requeues` times in a row without progress. Logs go to `<sweep>/slurm/%A_%a.out` with `--open-mode=append`,
 so a restart does not truncate them; each fit's own log is its run directory's fit.log.
 
@@ -42,12 +42,12 @@ from pathlib import Path
 from typing import Any
 
 from data.atomic import write_text_atomic
-from training import cluster
-from training.cluster import LOST_RANK
+from training.cluster.failure import LOST_RANK
+from training.cluster.requeue import requeue
+from training.cluster.signals import WARNING_SIGNALS
 from training.errors import UserError
 from training.run.dir import RunDir
 from training.run.layout import LOG_FILE
-from training.signals import WARNING_SIGNALS
 from training.sweep.launch import config_hashes, identity, train
 from training.sweep.runner import claimed, status_table
 from training.sweep.spec import Run, Spec, load_spec
@@ -244,16 +244,16 @@ def task_main(argv: list[str]) -> int:
     if status == "failed" and not task.received and not already and lost_rank(record.get("exit_code", 0), run_dir,
                                                                                  log_from):
         step = RunDir(run_dir).progress()[0]
-        if cluster.requeue(run_dir, step, "a rank was lost", max_requeues):
+        if requeue(run_dir, step, "a rank was lost", max_requeues):
             return 0
     return 0 if status in ("finished", "diverged", "pending") else 1
 
 
 if __name__ == "__main__":
-    from training.cli import _setup_logging
+    from training.console import setup_logging
     from training.errors import is_user_error, report_user_error
 
-    _setup_logging()
+    setup_logging()
     try:
         sys.exit(task_main(sys.argv[1:]))
     except Exception as err:

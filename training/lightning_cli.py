@@ -2,8 +2,8 @@
 
 Config groups (all settable in YAML via `-c` and as dotted flags):
   model.*       LitLM: `preset` plus any ModelConfig field (`--model.placement post`)
-  optim.*       OptimConfig: the optimizer (`--optim.name muon --optim.options.momentum 0.9`, training/optimizers.py),
-                its parameter groups and LR schedule (`--optim.lr 3e-4`)
+  optim.*       OptimConfig: the optimizer (`--optim.name muon --optim.options.momentum 0.9`, training/optim/), its
+                parameter groups and LR schedule (`--optim.lr 3e-4`)
   data.*        TokenDataModule (`--data.path`, `--data.seq_len`, `--data.batch_size`)
   trainer.*     Lightning Trainer (`--trainer.max_steps`, `--trainer.devices`, `--trainer.strategy zero2`)
   checkpoint.*  StepCheckpoint (`--checkpoint.every_n_steps`, `--checkpoint.keep_last_n`)

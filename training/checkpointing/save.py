@@ -43,7 +43,6 @@ from training.run.layout import (
     DEEPSPEED_TAG,
     INCOMPLETE_DIR,
     LIGHTNING_FILE,
-    MANIFEST,
     MODEL_CONFIG_FILE,
     TMP_PREFIX,
     checkpoints_dir,
@@ -243,4 +242,4 @@ def _write_sidecars(ckpt_dir: Path, trainer: Trainer, pl_module: LightningModule
         files=file_sizes(ckpt_dir),
         sha256=hash_files(ckpt_dir, digests),
     )
-    write_text_atomic(ckpt_dir / MANIFEST, manifest.to_json())  # last: marks complete
+    manifest.write(ckpt_dir)  # last: marks complete

@@ -29,6 +29,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from data.atomic import write_text_atomic
 from data.tokenizer import sha256_file
 from training.errors import CheckpointError
 from training.run.layout import LIGHTNING_FILE, MANIFEST
@@ -97,6 +98,10 @@ class Manifest:
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2) + "\n"
+
+    def write(self, ckpt_dir: str | Path) -> None:
+        """Atomically (temporary file, fsync, rename): the manifest marks its directory complete."""
+        write_text_atomic(Path(ckpt_dir) / MANIFEST, self.to_json())
 
 
 def load_path(ckpt_dir: Path) -> Path:

@@ -52,14 +52,16 @@ from training.cluster.config import ClusterConfig, with_timeout
 from training.cluster.rank import is_first_rank
 from training.cluster.stop import StopOnSignal
 from training.cluster.timeout import CollectiveTimeout
+from training.distributed import is_deepspeed
 from training.errors import UserError, is_user_error
 from training.lit_module import lit_lm
 from training.loggers import LOGGERS, RecordLoggerRuns, run_loggers, start_wandb
 from training.optim import OptimConfig, renamed_option
+from training.precision import default_precision
 from training.run import layout
 from training.run.lock import RunLock, acquire
 from training.run.manifest import Manifest
-from training.strategy import DeepSpeed, default_precision, is_deepspeed, resolve_strategy  # registers zeroN
+from training.strategy import DeepSpeed, resolve_strategy  # registers zeroN
 from training.subcommands import LIGHTNING_SUBCOMMANDS
 
 log = logging.getLogger(__name__)

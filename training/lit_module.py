@@ -25,11 +25,11 @@ from torch import Tensor
 from model import ModelConfig, Transformer
 from model.optimize import compile_blocks, enable_activation_checkpointing
 from training.checkpointing.init_from import InitFrom
+from training.distributed import is_deepspeed
 from training.errors import UserError
 from training.eval.metrics import LossTotals, batch_loss, mixture, split_batch, tags
 from training.loggers import log_scalars
 from training.optim import OptimConfig, build_optimizer, check_group_names, param_groups
-from training.strategy import is_deepspeed
 
 
 def model_fields(init: Callable) -> Callable:

@@ -19,6 +19,7 @@ from a checkpoint written without it draws the current step only and says so in 
 from __future__ import annotations
 
 import logging
+from functools import partial
 from typing import Any
 
 import torch
@@ -27,9 +28,8 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from model.names import split_layer
 from model.probes import gain_stats, gain_tags, grad_norms, record
 from training.callbacks import depth_profile
-from training.distributed import full_param
+from training.distributed import full_grad, full_param, is_deepspeed
 from training.loggers import log_scalars, tensorboard
-from training.strategy import is_deepspeed
 
 log = logging.getLogger(__name__)
 
@@ -118,12 +118,7 @@ class TrainingHealth(Callback):
         # gradients exist only at the accumulation boundary.
         if deepspeed and not trainer.strategy.deepspeed_engine.is_gradient_accumulation_boundary():
             return
-        grad_of = None
-        if deepspeed:
-            from deepspeed.utils import safe_get_full_grad
-
-            grad_of = safe_get_full_grad
-        self._values.update(grad_norms(model, grad_of) if grad_of else grad_norms(model))
+        self._values.update(grad_norms(model, partial(full_grad, deepspeed=deepspeed)))
         self._values.update(self._param_stats(model, deepspeed))
         log_scalars(trainer, self._values, step)
         if step == 0:

@@ -37,6 +37,7 @@ import logging
 import math
 import os
 import shutil
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -46,9 +47,8 @@ from lightning.pytorch import LightningModule, Trainer
 from data.atomic import fsync_path
 from model.names import layer_index
 from model.probes import grad_norms
-from training.distributed import full_param, gather_objects
+from training.distributed import full_grad, full_param, gather_objects, is_deepspeed
 from training.run.layout import SPIKES_DIR, TMP_PREFIX, step_dirname, step_of_name
-from training.strategy import is_deepspeed
 
 log = logging.getLogger(__name__)
 
@@ -130,12 +130,7 @@ class SpikeRecorder:
         """On every rank, before the optimizer step of a spiking update: gradients, weights, batch."""
         deepspeed = is_deepspeed(trainer.strategy)
         self.dumps += 1
-        grad_of = None
-        if deepspeed:
-            from deepspeed.utils import safe_get_full_grad
-
-            grad_of = safe_get_full_grad
-        grads = grad_norms(pl_module.model, grad_of) if grad_of else grad_norms(pl_module.model)
+        grads = grad_norms(pl_module.model, partial(full_grad, deepspeed=deepspeed))
         # per key, [ranks, accumulate, B, T+1]: every rank's micro-batches
         arrays = {key: torch.stack(gather_objects(torch.stack([b[key] for b in self._batches]).cpu()))
                   for key in self._batches[0]}

@@ -36,8 +36,9 @@ from lightning.fabric.plugins import CheckpointIO
 from lightning.pytorch import LightningModule, Trainer
 
 from data.atomic import fsync_path, write_text_atomic
-from training.distributed import gather_objects
+from training.distributed import gather_objects, is_deepspeed
 from training.errors import CheckpointError
+from training.precision import precision_record
 from training.run.layout import (
     CONFIG_FILE,
     DEEPSPEED_TAG,
@@ -50,7 +51,6 @@ from training.run.layout import (
 )
 from training.run.manifest import VERSION as MANIFEST_VERSION
 from training.run.manifest import Manifest, config_hash, file_hash, file_sizes, hash_file, hash_files, versions
-from training.strategy import is_deepspeed, precision_record
 
 log = logging.getLogger(__name__)
 

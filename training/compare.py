@@ -36,8 +36,8 @@ from training.errors import report_user_error as report_error
 from training.eval import metrics
 from training.plotting import pyplot, save_figure
 from training.run.dir import RunDir
+from training.sweep.alive import alive
 from training.sweep.results import TRAIN_LOSS, RunResult, plain_tags, result
-from training.sweep.state import alive
 
 log = logging.getLogger(__name__)
 

@@ -75,6 +75,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.max_parallel < 1:  # (before anything is written into the sweep directory)
         raise UserError(f"--max_parallel {args.max_parallel} must be >= 1")
     spec = load_spec(args.spec)
+    unknown = sorted(set(spec.executor) - set(EXECUTORS))
+    if unknown:
+        raise UserError(f"sweep spec '{spec.path}': executor key {unknown[0]!r} is not an executor; choose from "
+                        f"{', '.join(EXECUTORS)}")
     runs = spec.runs()
     if args.dry_run:
         sys.stdout.write(dry_run(spec, runs))

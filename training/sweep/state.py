@@ -7,7 +7,8 @@ Nothing here is trusted that a `kill -9` could leave stale. A run's facts live i
 - `sweep-run.json`, written atomically by whoever trains it (training/sweep/launch.py): the exact command, the
   hashes of its `-c` files, and the outcome of its last attempt (running with a pid and host, finished,
   diverged, failed).
-Its status is `RunDir.status` (the definition `normlab compare` uses too), with liveness checked here: `running`
+Its status is `RunDir.status` (the definition `normlab compare` uses too), with liveness asked of the executor that
+recorded the attempt (alive.py): `running`
 while the recorded process lives (on this host also past its last checkpoint, while it validates and exits),
 `pending` when it died (never started, or interrupted: the next sweep resumes it from its newest checkpoint).
 
@@ -26,18 +27,13 @@ from data.atomic import write_text_atomic
 from training.run.dir import RunDir
 from training.run.layout import SWEEP_STATE_FILE
 from training.run.lock import locked
-from training.sweep.executors import executor_of
+from training.sweep.alive import alive
 from training.sweep.spec import Run, Spec
 
 
 def write_json(path: Path, data: dict[str, Any]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     write_text_atomic(path, json.dumps(data, indent=1) + "\n")
-
-
-def alive(record: dict[str, Any]) -> bool:
-    """Whether the recorded attempt still runs, as the executor that recorded it sees it (executors.py)."""
-    return executor_of(record).alive(record)
 
 
 def run_status(run_dir: Path) -> tuple[str, int, dict[str, Any] | None]:

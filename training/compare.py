@@ -32,7 +32,6 @@ from typing import Any
 import numpy as np
 
 from training.errors import UserError
-from training.errors import report_user_error as report_error
 from training.eval import metrics
 from training.plotting import pyplot, save_figure
 from training.run.dir import RunDir
@@ -85,7 +84,7 @@ def _fmt(value: Any, spec: str = ".4f") -> str:
     return "-" if value is None else format(value, spec)
 
 
-def report(runs: list[RunDir], summaries: list[dict[str, Any]], last: int, metric: str = "val/loss") -> str:
+def summary_table(runs: list[RunDir], summaries: list[dict[str, Any]], last: int, metric: str = "val/loss") -> str:
     names = [r.name for r in runs]
     diffs = config_differences(runs)
     parts = ["config differences:" if diffs else "config differences: none (apart from the run names)"]
@@ -189,26 +188,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--margin", type=float, help="with --baseline: the equivalence margin (in the metric's units)")
     ap.add_argument("--lr_key", default="optim.lr", help="with --group_by: the learning-rate key, if grouped by")
     args = ap.parse_args(argv)
-    try:
-        if args.last < 1:
-            raise UserError(f"--last {args.last}: must be at least 1")
-        if args.margin is not None and not args.margin > 0:
-            raise UserError(f"--margin {args.margin}: must be > 0 (the smallest difference that matters)")
-        if (args.baseline or args.margin is not None) and not args.group_by:
-            raise UserError("--baseline and --margin compare cells: give --group_by KEY... too")
-        runs = [RunDir(path).require_logged() for path in args.runs]
-        args.metric, why = choose_metric(runs, args.metric)
-        if args.group_by:
-            text = grouped(runs, args)
-            from training.sweep import plots
-            from training.sweep.analysis import cells_of
+    if args.last < 1:
+        raise UserError(f"--last {args.last}: must be at least 1")
+    if args.margin is not None and not args.margin > 0:
+        raise UserError(f"--margin {args.margin}: must be > 0 (the smallest difference that matters)")
+    if (args.baseline or args.margin is not None) and not args.group_by:
+        raise UserError("--baseline and --margin compare cells: give --group_by KEY... too")
+    runs = [RunDir(path).require_logged() for path in args.runs]
+    args.metric, why = choose_metric(runs, args.metric)
+    if args.group_by:
+        text = grouped(runs, args)
+        from training.sweep import plots
+        from training.sweep.analysis import cells_of
 
-            plots.curves(cells_of(group(runs, args.group_by, args.metric)), plots.curve_tags(args.metric), args.plot)
-        else:
-            text = report(runs, [summary(r, args.last, args.metric) for r in runs], args.last, args.metric)
-            plot(runs, args.plot, args.metric)
-    except UserError as err:
-        return report_error("compare", err)
+        plots.curves(cells_of(group(runs, args.group_by, args.metric)), plots.curve_tags(args.metric), args.plot)
+    else:
+        text = summary_table(runs, [summary(r, args.last, args.metric) for r in runs], args.last, args.metric)
+        plot(runs, args.plot, args.metric)
     sys.stdout.write(f"{why}\n\n{text}" if why else text)
     print(f"\nloss against tokens: {args.plot}")
     return 0

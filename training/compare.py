@@ -24,13 +24,13 @@ from __future__ import annotations
 import argparse
 import difflib
 import logging
-import re
 import sys
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from training import health_tags
 from training.errors import UserError
 from training.eval import metrics
 from training.plotting import pyplot, save_figure
@@ -53,12 +53,12 @@ def summary(run: RunDir, last: int, metric: str = "val/loss") -> dict[str, Any]:
     steps = max((points[-1][0] for tag, points in s.items() if tag.startswith("train/")), default=0)
     manifest = run.manifest
     tokens = manifest.tokens_seen if manifest and manifest.step == steps else None
-    layers = sorted((int(m.group(1)), tag) for tag in s if (m := re.fullmatch(r"resid/rms/L(\d+)", tag)))
+    layers = health_tags.by_layer(s, health_tags.RESID_RMS)
     growth = None
     if layers:
-        top = run.last("resid/final_in") or run.last(layers[-1][1])
+        top = run.last(health_tags.FINAL_IN) or run.last(layers[-1][1])
         growth = top / run.last(layers[0][1]) if run.last(layers[0][1]) else None
-    logits = [run.last(tag) for tag in s if re.fullmatch(r"attn/max_logit/L\d+", tag)]
+    logits = [run.last(tag) for _, tag in health_tags.by_layer(s, health_tags.ATTN_MAX_LOGIT)]
     tps = [v for _, v in s.get("throughput/tokens_per_sec", [])[-last:]]
     return {
         "metric": val[-1] if val else None, "spread": float(np.std(val[-last:])) if val else None,

@@ -26,13 +26,14 @@ import torch
 from data.atomic import write_text_atomic
 from model import ModelConfig, Transformer
 from model.probes import record, token_rms
+from training import health_tags as T
 from training.errors import UserError
 from training.optim import OptimConfig, build_optimizer
 from training.plotting import pyplot, save_figure
 
 log = logging.getLogger(__name__)
 QUANTITIES = ("stream", "attn", "mlp", "logits")
-_PROBE = {"stream": "resid/rms_out/L{i}", "attn": "resid/update_rms/attn/L{i}", "mlp": "resid/update_rms/mlp/L{i}"}
+_PROBE = {"stream": (T.RESID_RMS_OUT, None), "attn": (T.UPDATE_RMS, "attn"), "mlp": (T.UPDATE_RMS, "mlp")}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -66,7 +67,8 @@ def measure(cfg: ModelConfig, spec: CheckSpec) -> dict[str, float]:
     with torch.no_grad(), record(model) as rec:
         logits = model(tokens[:, :-1])
     values = rec.scalars()
-    out = {f"{q}/L{i}": values[_PROBE[q].format(i=i)] for q in _PROBE for i in range(cfg.n_layers)}
+    out = {f"{q}/L{i}": values[T.layer(family, i, sublayer)] for q, (family, sublayer) in _PROBE.items()
+           for i in range(cfg.n_layers)}
     out["logits"] = token_rms(logits).item()
     return out
 

@@ -47,6 +47,7 @@ from lightning.pytorch import LightningModule, Trainer
 from data.atomic import fsync_path
 from model.names import layer_index
 from model.probes import grad_norms
+from training import health_tags as T
 from training.distributed import full_grad, full_param, gather_objects, is_deepspeed
 from training.run.layout import SPIKES_DIR, TMP_PREFIX, step_dirname, step_of_name
 
@@ -144,7 +145,7 @@ class SpikeRecorder:
                 "window": {"size": len(window), "mean": mean * accumulate, "std": std * accumulate},
                 "lr": trainer.optimizers[0].param_groups[0]["lr"], "tokens_seen": trainer.datamodule.tokens_seen(),
                 "world_size": trainer.world_size, "accumulate_grad_batches": accumulate,
-                "grad_norm": {k.removeprefix("grad/norm/").replace("grad/global", "global"): v
+                "grad_norm": {k.removeprefix(f"{T.GRAD_NORM}/").replace(T.GRAD_GLOBAL, "global"): v
                               for k, v in grads.items()},
             },
         }

@@ -35,6 +35,7 @@ from training.errors import UserError
 from training.eval import metrics
 from training.plotting import pyplot, save_figure
 from training.run.dir import RunDir
+from training.stats import MODES
 from training.sweep.alive import alive
 from training.sweep.results import TRAIN_LOSS, RunResult, plain_tags, result
 
@@ -183,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--last", type=int, default=3, help="metric / throughput points the spread and mean use")
     ap.add_argument("--plot", type=Path, default=Path("compare.png"), help="where the loss-vs-tokens plot goes")
     ap.add_argument("--group_by", nargs="+", metavar="KEY", help="config keys that make a cell (seeds replicate)")
-    ap.add_argument("--mode", choices=("min", "max"), default="min", help="with --group_by: which way is better")
+    ap.add_argument("--mode", choices=MODES, default="min", help="with --group_by: which way is better")
     ap.add_argument("--baseline", help="with --group_by: the cell the others are compared with (as printed)")
     ap.add_argument("--margin", type=float, help="with --baseline: the equivalence margin (in the metric's units)")
     ap.add_argument("--lr_key", default="optim.lr", help="with --group_by: the learning-rate key, if grouped by")

@@ -23,7 +23,7 @@ from training.stats import (
     lr_sensitivity,
     slope,
 )
-from training.study.grid import AtInit, Scale, Spec
+from training.study.grid import AtInit, Job, Scale
 from training.study.measure import final_loss, initial_loss, outcome
 
 ABLATION_FLOOR = 1e-4  # nats: a removed block's loss increase counts as at least this (log of a ratio)
@@ -35,8 +35,8 @@ class Context:
     measurements (`extra`: "timing", "norm_share", "toy")."""
 
     scale: Scale
-    roles: dict[str, Spec]
-    results: dict[Spec, list[dict]]
+    roles: dict[str, Job]
+    results: dict[Job, list[dict]]
     extra: dict = field(default_factory=dict)
 
     def family(self, name: str) -> list[str]:
@@ -50,14 +50,14 @@ class Context:
             return self.family(role[:-3])[-1]
         return role
 
-    def spec(self, role: str) -> Spec:
+    def spec(self, role: str) -> Job:
         return self.roles[self.resolve(role)]
 
     def runs(self, role: str) -> list[dict]:
         return self.results[self.spec(role)]
 
 
-def probes(result: dict, spec: Spec) -> dict[str, float]:
+def probes(result: dict, spec: Job) -> dict[str, float]:
     """The probe scalars a statistic reads: at init, or after the last training step — for a run that diverged,
     its last probe before the loss became non-finite (the report marks the run 'diverged')."""
     if isinstance(spec, AtInit):

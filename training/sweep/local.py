@@ -112,7 +112,7 @@ class Progress:
         log.info("%s", progress.line(mine, what, views, self.slots, now))
 
 
-class LocalExecutor:
+class LocalPool:
     """Trains runs on this machine. With a `snapshot` (launch.Snapshot), each run is checked against it right
     before it starts and trains with its `-c` hashes: a changed config starts neither that run nor any later one
     (the runs already started go on), and the refusal is kept in `refused`."""

@@ -39,13 +39,13 @@ import yaml
 
 from training.errors import UserError
 from training.run.membership import format_value
+from training.stats import MODES
 
 SPEC_KEYS = ("name", "runs_dir", "base", "grid", "zip", "seeds", "data_order", "metric", "mode", "baseline",
              "margin", "lr_key", "question", "compare", "executor", "slurm")
 LEGACY_EXECUTOR_KEYS = ("slurm",)  # executors whose settings older specs give as a top-level key
 DATA_ORDERS = ("seed", "fixed")
 QUESTIONS = ("cells", "lr_sensitivity", "best_lr")
-MODES = ("min", "max")
 _KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]*$")
 # Keys the runner sets itself on every run.

@@ -52,7 +52,7 @@ class Parent:
 
     @property
     def load_path(self) -> str:
-        """What `Trainer.fit(ckpt_path=...)` takes (see `checkpoint.load_path`)."""
+        """What `Trainer.fit(ckpt_path=...)` takes (see training/run/manifest.py `load_path`)."""
         return str(load_path(self.ckpt_dir))
 
     def record(self) -> dict[str, Any]:

@@ -7,7 +7,7 @@ start time) — two fits on one `--name` would otherwise move each other's in-fl
 other's checkpoints. The lock is an `flock` on the file, so the kernel drops it when its holder dies, even by
 `kill -9`: a stale lock file never blocks anyone. The file is removed when its holder ends normally.
 
-Which process holds it: the job's first rank (`is_first_rank`, from the launcher's environment, before any
+Which process holds it: the job's first rank (training/cluster/rank.py, from the launcher's environment, before any
 process group exists). The ranks of one job are one writer — they write disjoint shards and rank 0 alone decides
 about the directory — so a lock per rank would refuse a job's own ranks; every job has a first rank, which tries
 the same file, so one is enough to keep a second job out. A multi-node run on a shared filesystem needs that
@@ -34,16 +34,7 @@ from training.run.layout import LOCK_FILE
 
 log = logging.getLogger(__name__)
 
-# Environment variables a launcher sets to a process's rank (torchrun/DeepSpeed: RANK; Lightning's own launcher:
-# LOCAL_RANK and NODE_RANK; srun: SLURM_PROCID; jsrun: JSM_NAMESPACE_RANK). The first rank has 0 in each it sets.
-_RANK_VARS = ("RANK", "LOCAL_RANK", "NODE_RANK", "SLURM_PROCID", "JSM_NAMESPACE_RANK")
 _NO_LOCKS = (errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL)  # a filesystem without flock
-
-
-def is_first_rank() -> bool:
-    """Whether this process is its job's rank 0, from the launcher's environment (every rank variable it set is 0;
-    a plain process sets none)."""
-    return all(os.environ.get(var, "0").strip() in ("0", "") for var in _RANK_VARS)
 
 
 @dataclass

@@ -21,11 +21,11 @@ timed out: see training/cluster/failure.py) makes the task requeue the job, unle
 `max_requeues` times in a row without progress. Logs go to `<sweep>/slurm/%A_%a.out` with `--open-mode=append`,
 so a restart does not truncate them; each fit's own log is its run directory's fit.log.
 
-Spec `slurm:` keys (all optional): nodes, gpus_per_node, cpus_per_task, mem, time, partition, account,
-max_parallel (the array's `%` limit), signal_seconds (default 120: at least one step and one save), signal (USR1
-or USR2), max_requeues (default 3), extra (more sbatch options, e.g. `--qos=high`), setup (shell lines run
-before the task, e.g. `source venv/bin/activate`). Set trainer.num_nodes and trainer.devices in the spec to
-match nodes and gpus_per_node.
+Spec `executor: {slurm: {...}}` keys (or a top-level `slurm:`; all optional): nodes, gpus_per_node,
+cpus_per_task, mem, time, partition, account, max_parallel (the array's `%` limit), signal_seconds (default 120:
+at least one step and one save), signal (USR1 or USR2), max_requeues (default 3), extra (more sbatch options,
+e.g. `--qos=high`), setup (shell lines run before the task, e.g. `source venv/bin/activate`). Set
+trainer.num_nodes and trainer.devices in the spec to match nodes and gpus_per_node.
 """
 from __future__ import annotations
 

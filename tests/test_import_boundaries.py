@@ -194,3 +194,10 @@ def test_the_layer_check_sees_a_backward_import_and_one_named_by_string():
     source = ('import importlib\ndef f():\n    importlib.import_module("training.sweep.runner")\n'
               'LAUNCH = "training.sweep.slurm:submit"\n')
     assert {"training.sweep.runner", "training.sweep.slurm"} <= set(runtime_imports(source, ("training",)))
+
+
+def test_every_package_has_an_init():
+    """setuptools' find_packages ships only directories with an `__init__.py`: one without would import here (a
+    namespace package) and be missing from a wheel."""
+    assert [str(d.relative_to(REPO)) for package in PACKAGES for d in sorted((REPO / package).rglob("*"))
+            if d.is_dir() and any(d.glob("*.py")) and not (d / "__init__.py").is_file()] == []

@@ -6,9 +6,11 @@ directory, so a crash leaves either version but nothing in between. If the calle
 removed and `path` is untouched. The temporary name is unique per call (`.<name>.<random>.tmp`), so two
 processes writing the same file never write into one temporary.
 
-Every command writes its reports, JSON records and plots through here (`write_text_atomic`,
-`training.plotting.save_figure`); it lives in `data/` because both `data/` and `training/` write files and
-`data/` never imports `training/`.
+Every atomic write of normlab goes through here: reports, JSON records and plots (`write_text_atomic`,
+`training.plotting.save_figure`), a checkpoint's sidecars and manifest, Lightning's `model.ckpt`
+(`training.checkpointing.safe.SafeCheckpointIO`); the directories a checkpoint save renames into place are made
+durable with `fsync_path`. It lives in `data/` because both `data/` and `training/` write files and `data/`
+never imports `training/`.
 """
 from __future__ import annotations
 
@@ -28,9 +30,9 @@ def _file_mode() -> int:
     return 0o666 & ~umask
 
 
-def fsync_dir(directory: str | Path) -> None:
-    """Make the directory's entries (a rename into it) durable."""
-    fd = os.open(directory, os.O_RDONLY)
+def fsync_path(path: str | Path) -> None:
+    """Make a file's contents, or a directory's entries (a rename into it), durable."""
+    fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
@@ -55,7 +57,7 @@ def atomic_write(path: str | Path, mode: str = "w", encoding: str | None = "utf-
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-    fsync_dir(path.parent)
+    fsync_path(path.parent)
 
 
 def write_text_atomic(path: str | Path, text: str) -> None:

@@ -36,9 +36,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from training.checkpointing.manifest import HASH, Manifest, hash_file, verify_files  # noqa: E402
 from training.checkpointing.resume import rank_files  # noqa: E402
 from training.checkpointing.safe import safe_torch_load  # noqa: E402
+from training.run.manifest import HASH, Manifest, hash_file, verify_files  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -25,10 +25,9 @@ import math
 import re
 from pathlib import Path
 
-from training.stats import benjamini_hochberg, comparison_verdict
 from training.study.claims import CLAIMS, MECHANISM, PRIMARY, SECONDARY, Claim, Test
 from training.study.grid import SCALES, Train
-from training.study.judge import Outcome, combine, decide, from_samples, judge_tests, measure
+from training.study.judge import Outcome, bh_scorecard, combine, from_samples, judge_tests, measure
 from training.study.statistics import Context
 
 RUN_STATS = ("final_loss", "best_lr_loss", "lr_sensitivity", "loss_gap", "diverged_runs")
@@ -104,12 +103,7 @@ def rejudge(study: Path, extra: list[Path]) -> list[str]:
                 judge_tests([o])
             if o is None or o.verdict != old[test.id]:
                 others.append((test, o, old[test.id]))
-    for key in ("difference", "equivalence"):
-        for o, q in zip(judged, benjamini_hochberg([o.p[key] for o in judged]), strict=True):
-            o.q[key] = q
-    for o in judged:
-        o.verdict_bh = decide(o.test, comparison_verdict(o.judgement.direction, o.q["difference"],
-                                                         o.q["equivalence"], "lower"))
+    bh_scorecard(judged)
     lines = ["| claim | committed report | primary now | estimate [95% CI] | p: t / sign-flip | verdict now | "
              "q (BH), verdict at FDR 5% |", "|---|---|---|---|---|---|---|"]
     for claim, outs in rows:

@@ -17,9 +17,9 @@ from safetensors.torch import load_file
 
 from tests.helpers.multiproc import REPO
 from tests.test_safe_loading import Payload  # unpickling it runs `touch MARKER`
-from training.checkpointing import layout
 from training.cli import main
 from training.errors import DEBUG_ENV
+from training.run import layout
 
 pytestmark = pytest.mark.filterwarnings("ignore:LightningCLI's args parameter")
 

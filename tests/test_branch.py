@@ -18,11 +18,10 @@ import yaml
 from lightning.pytorch import Callback
 
 from tests.helpers.multiproc import REPO
-from tests.helpers.runs import scalars
-from training.checkpointing import layout
-from training.checkpointing.layout import CheckpointError
+from tests.helpers.runs import read_manifest, scalars
 from training.cli import main
-from training.errors import DEBUG_ENV
+from training.errors import DEBUG_ENV, CheckpointError
+from training.run import layout
 
 pytestmark = pytest.mark.filterwarnings("ignore:LightningCLI's args parameter")
 
@@ -122,9 +121,9 @@ def test_a_cooldown_branch_starts_from_the_parent_with_its_own_schedule(workdir,
     assert scalars(trunk, "train/lr")[6] == pytest.approx(1e-3)
 
     # The parent, in every manifest of the branch; the recorded config reruns the branch.
-    trunk_manifest = layout.read_manifest(parent)
+    trunk_manifest = read_manifest(parent)
     for step in (6, 8):
-        record = layout.read_manifest(ckpt(cool, step))["branched_from"]
+        record = read_manifest(ckpt(cool, step))["branched_from"]
         assert record["checkpoint"] == str(parent.resolve()) and record["run_dir"] == str(trunk.resolve())
         assert record["step"] == 4 and record["tokens_seen"] == trunk_manifest["tokens_seen"] == 4 * 2 * 4 * 16
         assert record["manifest_sha256"] == hashlib.sha256((parent / "manifest.json").read_bytes()).hexdigest()
@@ -140,7 +139,7 @@ def test_a_cooldown_branch_starts_from_the_parent_with_its_own_schedule(workdir,
         fit(workdir, "cool", *args, "--trainer.max_steps", "10")
     finally:
         aside.rename(parent)
-    assert layout.read_manifest(ckpt(cool, 10))["branched_from"] == record
+    assert read_manifest(ckpt(cool, 10))["branched_from"] == record
     assert sorted(scalars(cool, "train/lr")) == [5, 6, 7, 8, 9, 10]
     # ... but not with another parent.
     with pytest.raises(CheckpointError, match=r"--branch_from .*step-00000008 --ckpt_path last: .*cool already holds "
@@ -155,7 +154,7 @@ def test_a_branch_of_a_branch_records_the_lineage(workdir, trunk):
                 "--checkpoint.every_n_steps", "2")
     second = fit(workdir, "second", *TRUNK, "--branch_from", str(ckpt(first, 6)), "--trainer.max_steps", "7",
                  "--checkpoint.every_n_steps", "1")
-    record = layout.read_manifest(ckpt(second, 7))["branched_from"]
+    record = read_manifest(ckpt(second, 7))["branched_from"]
     assert record["checkpoint"] == str(ckpt(first, 6).resolve()) and record["step"] == 6
     assert record["branched_from"]["checkpoint"] == str(ckpt(trunk, 4).resolve())
     assert json.loads((ckpt(first, 6) / "manifest.json").read_text())["branched_from"] == record["branched_from"]

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from tests.helpers.multiproc import REPO, run_normlab
-from tests.helpers.runs import consolidated_state_dict, scalars
+from tests.helpers.runs import consolidated_state_dict, read_manifest, scalars
 from tests.test_branch import probe_config, wsd_linear
-from training.checkpointing import layout
+from training.run import layout
 
 pytestmark = pytest.mark.slow
 
@@ -42,7 +42,7 @@ def test_zero2_cooldown_branch(workdir, zero2_run, tmp_path):
     assert sorted(lrs) == [5, 6, 7, 8]
     for step, lr in lrs.items():
         assert lr == pytest.approx(wsd_linear(step - 1), rel=1e-6), step
-    manifest = layout.read_manifest(layout.checkpoints_dir(cool) / "step-00000008")
+    manifest = read_manifest(layout.checkpoints_dir(cool) / "step-00000008")
     assert manifest["format"] == "deepspeed" and manifest["zero_stage"] == 2
     assert manifest["branched_from"]["checkpoint"] == str(parent.resolve())
     assert manifest["branched_from"]["step"] == 4

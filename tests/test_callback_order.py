@@ -17,9 +17,10 @@ from tests.helpers.multiproc import REPO
 from tests.helpers.runs import scalars
 from training.callbacks import NonFiniteGuard, RNGState, StepCheckpoint, TrainingHealth
 from training.callbacks.order import arrange, position
-from training.checkpointing import layout
 from training.cli import main
+from training.cluster.stop import StopOnSignal
 from training.errors import DEBUG_ENV
+from training.run import layout
 
 pytestmark = pytest.mark.filterwarnings("ignore:LightningCLI's args parameter")
 
@@ -74,12 +75,13 @@ def test_a_fit_runs_its_callbacks_in_the_tables_order(run):
     names, rows = [name for name, _ in recorded], [row for _, row in recorded]
     assert rows == sorted(rows) and names[0] == "RNGState", recorded
     assert names.index("InjectNaNGrad") < names.index("RecordOrder") < names.index("TrainingHealth")
-    assert {"NonFiniteGuard", "StepCheckpoint", "Throughput", "SaveConfigCallback"} <= set(names)
+    assert {"NonFiniteGuard", "StopOnSignal", "StepCheckpoint", "Throughput", "SaveConfigCallback"} <= set(names)
+    assert names.index("StopOnSignal") + 1 == names.index("StepCheckpoint")
 
 
 def test_arrange_places_each_callback_by_its_row_and_keeps_the_rest_in_order():
     rest = [RecordOrder("a"), Callback(), RecordOrder("b")]
-    ours = [StepCheckpoint(), NonFiniteGuard(), RNGState(), TrainingHealth()]
-    arranged = arrange([ours[0], rest[0], ours[1], rest[1], ours[2], rest[2], ours[3]])
-    assert arranged == [ours[2], *rest, ours[3], ours[1], ours[0]]
-    assert [position(c) for c in arranged] == [0, 2, 2, 2, 3, 4, 5]
+    ours = [StepCheckpoint(), NonFiniteGuard(), RNGState(), TrainingHealth(), StopOnSignal()]
+    arranged = arrange([ours[0], rest[0], ours[1], rest[1], ours[2], rest[2], ours[3], ours[4]])
+    assert arranged == [ours[2], *rest, ours[3], ours[1], ours[4], ours[0]]
+    assert [position(c) for c in arranged] == [0, 2, 2, 2, 3, 4, 5, 6]

@@ -1,6 +1,6 @@
 """Every reader of a checkpoint directory verifies it against its manifest (sizes and sha256) before reading it —
 `normlab validate` and `normlab test` as evaluate, export and fit do — and a manifest of this version that lost
-its digests is refused, while an older one's fallback to sizes is stated (training/checkpointing/manifest.py)."""
+its digests is refused, while an older one's fallback to sizes is stated (training/run/manifest.py)."""
 from __future__ import annotations
 
 import json
@@ -15,11 +15,11 @@ import pytest
 import torch
 
 from tests.helpers.multiproc import REPO
-from training.checkpointing import layout
-from training.checkpointing.layout import CheckpointError
+from tests.helpers.runs import read_manifest
 from training.checkpointing.load import load_checkpoint
 from training.cli import main
-from training.errors import DEBUG_ENV
+from training.errors import DEBUG_ENV, CheckpointError
+from training.run import layout
 
 pytestmark = pytest.mark.filterwarnings("ignore:LightningCLI's args parameter")
 
@@ -117,7 +117,7 @@ def test_a_manifest_of_this_version_without_digests_is_refused(finished, workdir
     """Its sha256 deleted, a same-size edit would pass on sizes alone: every reader refuses the manifest (load,
     validate, a resume), naming the file it lists without a digest."""
     monkeypatch.delenv(DEBUG_ENV, raising=False)
-    assert layout.read_manifest(finished)["manifest_version"] == 2
+    assert read_manifest(finished)["manifest_version"] == 2
     run = tmp_path / "runs" / "edited"
     ckpt = Path(shutil.copytree(finished, layout.checkpoints_dir(run) / finished.name))
     patch_in_place(ckpt / layout.LIGHTNING_FILE)
@@ -137,7 +137,7 @@ def test_an_older_manifest_without_digests_is_read_by_sizes_with_a_warning(finis
     warning line says that only sizes were."""
     ckpt = Path(shutil.copytree(finished, tmp_path / finished.name))
     edit_manifest(ckpt, "sha256", "manifest_version")
-    with caplog.at_level(logging.WARNING, logger="training.checkpointing.manifest"):
+    with caplog.at_level(logging.WARNING, logger="training.run.manifest"):
         assert load_checkpoint(ckpt).step == 2
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert warnings == [f"checkpoint {ckpt}: its manifest.json, from an older normlab, records no sha256 for "

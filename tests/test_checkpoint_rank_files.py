@@ -15,9 +15,10 @@ import pytest
 
 from tests.helpers.multiproc import REPO, run_normlab
 from tests.test_safe_loading import flip_tensor_byte
-from training.checkpointing.manifest import CheckpointError, Manifest, verify_files
 from training.checkpointing.resume import rank_files
 from training.checkpointing.universal import CACHE_MANIFEST, LATEST, UNIVERSAL_TAG, to_universal, verify_cache
+from training.errors import CheckpointError
+from training.run.manifest import Manifest, verify_files
 
 pytestmark = pytest.mark.slow  # the reference runs (shared with the other DeepSpeed tests), and two fits
 

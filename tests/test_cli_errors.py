@@ -17,9 +17,9 @@ import torch
 
 from model import ModelConfig, Transformer
 from tests.helpers.multiproc import REPO
-from training.checkpointing import layout
 from training.cli import COMMANDS, main
 from training.errors import DEBUG_ENV, UserError
+from training.run import layout
 
 pytestmark = pytest.mark.filterwarnings("ignore:LightningCLI's args parameter")
 
@@ -181,6 +181,27 @@ def test_debug_shows_the_traceback_and_bugs_keep_theirs(workdir, tmp_path, state
     monkeypatch.setattr("training.generate.load_checkpoint", bug)  # stands in for a bug past the checks
     with pytest.raises(KeyError, match="a bug"):
         main(argv[:-2])
+
+
+@pytest.mark.parametrize("command, target", [("evaluate", "training.eval.cli.evaluate_sets"),
+                                             ("export", "training.export.load_checkpoint")])
+def test_a_library_valueerror_keeps_its_traceback(command, target, state_dict_file, tmp_path, monkeypatch):
+    """A ValueError from a library (torch, lm-eval, a bug of normlab's) is not bad input: no command catches it to
+    print it as one line, so it reaches the caller with its traceback."""
+    def bug(*args, **kwargs):
+        raise ValueError("a library's ValueError, not bad input")
+
+    monkeypatch.setattr(target, bug)
+    with pytest.raises(ValueError, match="a library's ValueError"):
+        main([command, "--checkpoint", str(state_dict_file), "--output", str(tmp_path / "out")])
+
+
+def test_only_the_entry_points_print_user_errors():
+    """One error path: commands raise UserError, and only `normlab` itself (training/cli.py) — and the Slurm array
+    task, an entry point of its own — print it."""
+    printing = sorted(str(p.relative_to(REPO)) for p in (REPO / "training").rglob("*.py")
+                      if "report_user_error(" in p.read_text() and p.name != "errors.py")
+    assert printing == ["training/cli.py", "training/sweep/slurm.py"]
 
 
 def test_a_shell_sees_one_line(workdir, tmp_path):

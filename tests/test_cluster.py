@@ -1,5 +1,5 @@
-"""training/cluster.py without a cluster: the requeue bound and the `cluster.*` settings. (What they do on a real
-two-node Slurm: tests/test_slurm_cluster.py.)"""
+"""training/cluster/ without a cluster: the requeue bound, the `cluster.*` settings, the lost-rank line and the
+launcher's rank. (What they do on a real two-node Slurm: tests/test_slurm_cluster.py.)"""
 from __future__ import annotations
 
 import json
@@ -7,7 +7,9 @@ import logging
 
 import pytest
 
-from training.cluster import REQUEUE_RECORD, ClusterConfig, requeue
+from training.cluster.config import ClusterConfig
+from training.cluster.requeue import requeue
+from training.run.layout import REQUEUES_FILE
 
 
 def history(*steps: int) -> str:
@@ -19,7 +21,7 @@ def test_a_run_requeued_max_requeues_times_without_progress_is_not_requeued_agai
     """Three requeues in a row that all resumed from step 8 and got no further: a fourth is refused in one line
     naming the run and the step, and nothing is asked of Slurm (the record stays as it was)."""
     monkeypatch.setenv("SLURM_JOB_ID", "7")
-    record = tmp_path / REQUEUE_RECORD
+    record = tmp_path / REQUEUES_FILE
     record.write_text(history(4, 8, 8, 8))
     with caplog.at_level(logging.ERROR, logger="training.cluster"):
         assert not requeue(tmp_path, 8, "warned by SIGUSR1", max_requeues=3)
@@ -34,7 +36,7 @@ def test_progress_resets_the_count(tmp_path, monkeypatch, caplog):
     there is no `scontrol`: the call says so in one line and returns False)."""
     monkeypatch.setenv("SLURM_JOB_ID", "7")
     monkeypatch.setenv("PATH", str(tmp_path))  # (no scontrol there)
-    record = tmp_path / REQUEUE_RECORD
+    record = tmp_path / REQUEUES_FILE
     record.write_text(history(4, 8, 8, 8))
     with caplog.at_level(logging.ERROR, logger="training.cluster"):
         assert not requeue(tmp_path, 12, "warned by SIGUSR1", max_requeues=3)
@@ -46,7 +48,7 @@ def test_progress_resets_the_count(tmp_path, monkeypatch, caplog):
 def test_outside_slurm_nothing_is_requeued(tmp_path, monkeypatch):
     monkeypatch.delenv("SLURM_JOB_ID", raising=False)
     assert not requeue(tmp_path, 5, "warned by SIGUSR1", max_requeues=3)
-    assert not (tmp_path / REQUEUE_RECORD).exists()
+    assert not (tmp_path / REQUEUES_FILE).exists()
 
 
 @pytest.mark.parametrize("field, value, message", [
@@ -57,3 +59,38 @@ def test_outside_slurm_nothing_is_requeued(tmp_path, monkeypatch):
 def test_bad_settings_name_the_field(field, value, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
         ClusterConfig(**{field: value})
+
+
+def test_the_lost_rank_line_names_the_stop_signal_all_reduce_by_its_code(monkeypatch):
+    """A peer lost while the ranks' stop flags travel: the line names that all-reduce, found by the function's code
+    (not by a file name that a move would silently break)."""
+    from types import SimpleNamespace
+
+    from training.cluster.failure import collective_failure
+    from training.cluster.signals import StopSignals
+
+    def lost() -> None:
+        raise RuntimeError("[gloo] Connection closed by peer [10.0.0.2]:41337")
+
+    flags = StopSignals()
+    flags._work = SimpleNamespace(wait=lost)  # the previous boundary's all-reduce, whose peer is gone
+    with pytest.raises(RuntimeError) as err:
+        flags.agreed(world_size=2)
+    monkeypatch.setenv("RANK", "1")
+    line = collective_failure(err.value)
+    assert line.startswith("rank 1: the stop-signal all_reduce lost its connection to a peer: another rank"), line
+    assert collective_failure(ValueError("Connection closed by peer")) is None  # no collective's error
+
+
+@pytest.mark.parametrize("env, rank", [
+    ({}, 0), ({"RANK": "3", "LOCAL_RANK": "1"}, 3), ({"SLURM_PROCID": "2"}, 2), ({"JSM_NAMESPACE_RANK": "5"}, 5),
+    ({"RANK": "0", "SLURM_PROCID": "0", "LOCAL_RANK": "1"}, 1),  # any non-zero variable: not the first rank
+])
+def test_the_launcher_rank_is_read_from_one_list_of_variables(env, rank, monkeypatch):
+    from training.cluster.rank import RANK_VARS, launcher_rank
+
+    for var in RANK_VARS:
+        monkeypatch.delenv(var, raising=False)
+    for var, value in env.items():
+        monkeypatch.setenv(var, value)
+    assert launcher_rank() == rank

@@ -66,7 +66,9 @@ def test_compare_two_runs(runs, workdir, tmp_path, capsys):
         assert row[8:] == [f"{logit:.2f}", f"{resid:.2f}"]
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
-    assert main([str(workdir / "tiny"), "--plot", str(tmp_path / "x.png")]) == 2
+    from training.cli import main as normlab  # (a user error is printed by the one entry point)
+
+    assert normlab(["compare", str(workdir / "tiny"), "--plot", str(tmp_path / "x.png")]) == 2
     assert capsys.readouterr().err.startswith(f"normlab compare: error: '{workdir / 'tiny'}' is not a normlab run")
     assert not (tmp_path / "x.png").exists()
 

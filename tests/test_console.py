@@ -162,7 +162,7 @@ def test_closing_lines_continue_a_stopped_run_as_it_is(tmp_path):
     """A run stopped before max_steps (a signal, a time limit) resumes with its own max_steps; a finished one is
     told to raise it; a run without a complete checkpoint has nothing to evaluate."""
     from training.callbacks.summary import closing_lines
-    from training.checkpointing import layout
+    from training.run import layout
 
     run = tmp_path / "run"
     assert not any("evaluate" in line or "checkpoints:" in line for line in closing_lines(run, "c.yaml", 0, 300))

@@ -69,7 +69,7 @@ def test_ddp_fit_checkpoints_manifest_and_health_metrics(workdir, reference):
 @pytest.mark.slow
 def test_sigterm_to_one_rank_saves_and_resumes_bit_for_bit(workdir, reference, tmp_path):
     """SIGTERM to rank 1 alone during update 5: every rank stops after update 6 (the flags are all-reduced one
-    boundary late, see training/signals.py), saves it and exits 0; resuming on the same 2 ranks
+    boundary late, see training/cluster/signals.py), saves it and exits 0; resuming on the same 2 ranks
     logs the reference's numbers and reaches bitwise the same weights."""
     marker, log = tmp_path / "waiting", tmp_path / "out.txt"
     (tmp_path / "wait.yaml").write_text(

@@ -73,5 +73,7 @@ def test_several_named_sets(run, workdir, tmp_path, caplog, capsys):
     assert scalars(run, "eval/web/loss")[6] == pytest.approx(sets["web"]["loss"])
 
     capsys.readouterr()
-    assert main(["--checkpoint", str(run), "--data", f"a={data}", f"a={data}"]) == 2
+    from training.cli import main as normlab  # (a user error is printed by the one entry point)
+
+    assert normlab(["evaluate", "--checkpoint", str(run), "--data", f"a={data}", f"a={data}"]) == 2
     assert capsys.readouterr().err.startswith("normlab evaluate: error: --data: two sets are called 'a'")

@@ -105,7 +105,7 @@ def _optimizer(device: str) -> torch.optim.Optimizer:
 
 
 def test_fused_adamw_is_chosen_only_when_every_parameter_is_on_cuda():
-    from training.optimizers import use_fused
+    from training.optim.registry import use_fused
 
     class OnCuda:  # stands for a CUDA parameter, which this machine cannot make
         is_cuda = True

@@ -17,10 +17,14 @@ import transformers  # noqa: E402  a test dependency
 from data.datamodule import TokenDataModule  # noqa: E402
 from tests.helpers.multiproc import run_normlab  # noqa: E402
 from tests.helpers.published import bpe_tokenizer, fit_args, hf_model_dir, prepared_data, run_config  # noqa: E402
-from tests.helpers.runs import scalars  # noqa: E402
+from tests.helpers.runs import (
+    read_manifest,
+    scalars,  # noqa: E402
+)
 from tests.test_data_support import prose_documents  # noqa: E402
-from training.checkpointing import init_from, layout  # noqa: E402
+from training.checkpointing import init_from  # noqa: E402
 from training.cli import main  # noqa: E402
+from training.run import layout  # noqa: E402
 
 STEP1 = Path("checkpoints") / "step-00000001"
 
@@ -66,7 +70,7 @@ def test_from_hugging_face_equals_transformers_and_exports_back(kind, world, fro
     assert scalars(run, "val/loss")[1] == pytest.approx(hf_val_loss(hf, world["data"]), rel=1e-5, abs=1e-6)
     assert scalars(run, "surgery/kl") == {0: 0.0} and scalars(run, "surgery/max_abs_logit_diff") == {0: 0.0}
     assert scalars(run, "init/hf_max_abs_logit_diff")[0] <= 1e-5
-    record = layout.read_manifest(run / STEP1)[init_from.MANIFEST_KEY]
+    record = read_manifest(run / STEP1)[init_from.MANIFEST_KEY]
     assert record["kind"] == "huggingface" and record["path"] == str(source.resolve())
     assert record["sha256"] == init_from.resolve(str(source)).sha256
     out = tmp_path / "export"
@@ -87,7 +91,7 @@ def test_from_a_normlab_export_and_checkpoint_unchanged_is_kl_zero(world, from_h
     run = world["runs"] / "from-export"
     assert scalars(run, "surgery/kl") == {0: 0.0}
     assert scalars(run, "val/loss")[1] == pytest.approx(scalars(from_hf_runs["qwen3"], "val/loss")[1], rel=1e-6)
-    assert layout.read_manifest(run / STEP1)[init_from.MANIFEST_KEY]["kind"] == "export"
+    assert read_manifest(run / STEP1)[init_from.MANIFEST_KEY]["kind"] == "export"
     saved = json.loads((run / STEP1 / layout.MODEL_CONFIG_FILE).read_text())
     assert saved["head_dim"] == 24 and saved["qk_norm"] == "head"  # the source's fields, none given
 

@@ -1,7 +1,7 @@
-"""The optimizer registry (`optim.name`, `optim.options`; training/optimizers.py): every registered optimizer trains
-a tiny model through Lightning; a new one is one class and one registry entry, added here at runtime (plain SGD with
-momentum, checked against a float64 reference and through `normlab fit`); options are typed and checked; the flat
-Muon keys of older configs and checkpoints are handled."""
+"""The optimizer registry (`optim.name`, `optim.options`; training/optim/registry.py): every registered optimizer
+trains a tiny model through Lightning; a new one is one class and one registry entry, added here at runtime (plain
+SGD with momentum, checked against a float64 reference and through `normlab fit`); options are typed and checked;
+the flat Muon keys of older configs and checkpoints are handled."""
 from __future__ import annotations
 
 import dataclasses
@@ -19,12 +19,12 @@ from torch.utils.data import DataLoader
 from model import ModelConfig, Transformer
 from tests.helpers.multiproc import REPO
 from tests.test_cli import run
-from training.checkpointing.manifest import Manifest, file_sizes, hash_files
 from training.cli import main
 from training.errors import DEBUG_ENV
 from training.lit_module import LitLM
 from training.optim import OptimConfig, build_optimizer, named_kinds
-from training.optimizers import OPTIMIZERS, Optimizer
+from training.optim.registry import OPTIMIZERS, Optimizer
+from training.run.manifest import Manifest, file_sizes, hash_files
 
 pytestmark = pytest.mark.filterwarnings("ignore:LightningCLI's args parameter")
 

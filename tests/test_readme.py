@@ -322,3 +322,32 @@ def test_every_docs_page_named_in_configs_and_docs_exists():
                       for name in re.findall(r"(?<![\w/.])docs/[\w./-]*\w\.md", src.read_text())
                       if not (REPO / name).is_file()})
     assert not missing, missing
+
+
+def readme_tree(root: str) -> set[str]:
+    """The paths the README's architecture tree lists under `root/` (`root/pkg/module.py`; a line naming several
+    modules, `a.py, b.py`, lists each; a package shown whole, as `sweep/`, is listed as its directory)."""
+    block = next(body for lang, body in code_blocks(README.read_text()) if body.startswith(f"{root}/\n"))
+    paths, stack = set(), []
+    for line in block.splitlines()[1:]:
+        names = re.match(r"^( +)([^\s,]+(?:, [^\s,]+\.py)*)", line)
+        if not names:
+            continue
+        depth = len(names.group(1)) // 2 - 1
+        stack[depth:] = []
+        for name in names.group(2).split(", "):
+            paths.add("/".join([root, *stack, name.rstrip("/")]))
+        if names.group(2).endswith("/"):
+            stack.append(names.group(2).rstrip("/"))
+    return paths
+
+
+def test_every_training_module_is_in_the_readme_tree():
+    """The file tree is the architecture: every module of training/ has its line (sweep/ and study/, the two
+    applications, one line each)."""
+    listed = readme_tree("training")
+    modules = {p.relative_to(REPO).as_posix() for p in (REPO / "training").rglob("*.py") if p.name != "__init__.py"}
+    summarized = {m for m in modules if m.split("/")[1] in ("sweep", "study")}
+    assert sorted(modules - summarized - listed) == []
+    assert sorted(p for p in listed if p.endswith(".py") and p not in modules) == []  # no line for a module gone
+    assert {"training/sweep", "training/study"} <= listed

@@ -158,8 +158,8 @@ def test_stage0_checkpoint_on_another_world_size_is_refused(workdir, reference, 
 
 def test_damaged_deepspeed_shards_are_refused(workdir, reference, tmp_path):
     """A truncated or missing ZeRO shard (optimizer state or model states) is named before anything loads it."""
-    from training.checkpointing.layout import CheckpointError
     from training.checkpointing.load import load_checkpoint
+    from training.errors import CheckpointError
 
     copy = Path(shutil.copytree(ckpt(workdir, "reference", 8), tmp_path / "damaged"))
     shards = sorted(p for p in copy.rglob("*.pt"))

@@ -18,13 +18,16 @@ import torch
 from data.errors import DataError
 from tests.helpers.faults import installed
 from tests.helpers.multiproc import REPO
+from tests.helpers.runs import read_manifest
 from training.callbacks.guard import NonFiniteError, NonFiniteGuard
 from training.callbacks.step_checkpoint import StepCheckpoint
-from training.checkpointing import layout, resume
-from training.checkpointing.layout import CheckpointError
+from training.checkpointing import resume
 from training.checkpointing.load import load_checkpoint
+from training.checkpointing.plan import resolve
+from training.checkpointing.save import move_aside
 from training.cli import main
-from training.errors import DEBUG_ENV
+from training.errors import DEBUG_ENV, CheckpointError
+from training.run import layout
 
 pytestmark = pytest.mark.filterwarnings("ignore:LightningCLI's args parameter")
 
@@ -133,7 +136,7 @@ def test_disk_full_during_save(workdir, fault):
     if manifest:
         assert (ckpts / "incomplete" / "step-00000004" / "model.ckpt").is_file()
     fit(workdir, name, "--ckpt_path", "last", "--trainer.max_steps", "4")
-    assert layout.read_manifest(ckpts / "step-00000004")["step"] == 4
+    assert read_manifest(ckpts / "step-00000004")["step"] == 4
 
 
 def test_resume_with_a_vocab_size_smaller_than_the_data(workdir):
@@ -153,7 +156,7 @@ def test_resume_with_an_accumulation_that_splits_an_update(workdir, finished):
     run = copy_run(finished, "reaccumulated")
     fit(workdir, "reaccumulated", "--ckpt_path", "last", "--trainer.accumulate_grad_batches", "4",
         "--trainer.max_steps", "5", "--checkpoint.every_n_steps", "1")
-    assert layout.read_manifest(run / "checkpoints" / "step-00000005")["accumulate_grad_batches"] == 4
+    assert read_manifest(run / "checkpoints" / "step-00000005")["accumulate_grad_batches"] == 4
 
 
 def test_resume_with_changed_model_config(workdir, finished):
@@ -184,7 +187,7 @@ def test_corrupt_manifest(workdir, finished):
 def test_missing_or_truncated_shard(workdir, finished):
     run = copy_run(finished, "damaged")
     ckpt = run / "checkpoints" / "step-00000004"
-    assert "model.ckpt" in layout.read_manifest(ckpt)["files"]
+    assert "model.ckpt" in read_manifest(ckpt)["files"]
     data = (ckpt / "model.ckpt").read_bytes()
     (ckpt / "model.ckpt").write_bytes(data[: len(data) // 2])
     with pytest.raises(CheckpointError, match=r"'model.ckpt' is truncated or altered \(\d+ bytes, \d+ when saved\)"):
@@ -202,12 +205,12 @@ def test_interrupted_step_dir_is_refused_and_last_skips_it(tmp_path):
     (ckpts / "step-00000002" / "manifest.json").write_text(json.dumps({"step": 2, "format": "lightning"}))
     (ckpts / "step-00000004").mkdir()  # shards, no manifest
     (ckpts / ".tmp-step-00000006").mkdir()
-    assert layout.resolve("last", tmp_path) == (str(ckpts / "step-00000002" / "model.ckpt"), 2)
+    assert resolve("last", tmp_path) == (str(ckpts / "step-00000002" / "model.ckpt"), 2)
     with pytest.raises(CheckpointError, match=r"no manifest.json, the save was interrupted"):
-        layout.resolve(str(ckpts / "step-00000004"), tmp_path)
+        resolve(str(ckpts / "step-00000004"), tmp_path)
     assert [p.name for p in layout.incomplete_checkpoints(tmp_path)] == [".tmp-step-00000006",
                                                                              "step-00000004"]
-    moved = layout.move_aside(ckpts / ".tmp-step-00000006", "test")
+    moved = move_aside(ckpts / ".tmp-step-00000006", "test")
     assert moved == ckpts / "incomplete" / "step-00000006" and moved.is_dir()
 
 

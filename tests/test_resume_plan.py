@@ -7,17 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from training.checkpointing.layout import (
-    LIGHTNING_FILE,
-    MANIFEST,
-    MODEL_CONFIG_FILE,
-    CheckpointError,
-    checkpoints_dir,
-    file_sizes,
-    step_dirname,
-)
 from training.checkpointing.plan import RunPlan, plan
-from training.errors import UserError
+from training.errors import CheckpointError, UserError
+from training.run.layout import LIGHTNING_FILE, MANIFEST, MODEL_CONFIG_FILE, checkpoints_dir, step_dirname
+from training.run.manifest import file_sizes
 
 
 def save(run_dir: Path, step: int, branched_from: dict | None = None) -> Path:

@@ -1,4 +1,4 @@
-"""One writer per run directory (training/run_lock.py): a second `normlab fit | validate | test` on a run another
+"""One writer per run directory (training/run/lock.py): a second `normlab fit | validate | test` on a run another
 process is writing is refused in one line naming that process, and the lock dies with its holder."""
 from __future__ import annotations
 
@@ -15,10 +15,12 @@ import lightning.pytorch  # noqa: F401  (before capsys: Lightning binds its log 
 import pytest
 
 from tests.helpers.multiproc import REPO, cpu_env
-from training.checkpointing import layout
+from tests.helpers.runs import read_manifest
 from training.cli import main
+from training.cluster.rank import is_first_rank
 from training.errors import DEBUG_ENV
-from training.run_lock import LOCK_FILE, acquire, is_first_rank
+from training.run import layout
+from training.run.lock import LOCK_FILE, acquire
 
 pytestmark = pytest.mark.filterwarnings("ignore:LightningCLI's args parameter")
 
@@ -74,7 +76,7 @@ def test_a_second_process_on_a_run_is_refused_until_the_holder_dies(workdir, tmp
     assert (runs / "busy" / LOCK_FILE).is_file()  # left by the killed holder: it blocks no one
     assert main(fit_argv(workdir, runs, "--name", "busy", "--ckpt_path", "last", "--trainer.max_steps", "2",
                          "--checkpoint.every_n_steps", "2")) == 0
-    assert layout.read_manifest(runs / "busy" / "checkpoints" / "step-00000002")["step"] == 2
+    assert read_manifest(runs / "busy" / "checkpoints" / "step-00000002")["step"] == 2
     assert not (runs / "busy" / LOCK_FILE).exists()  # removed by a holder that ends normally
 
 

@@ -13,9 +13,11 @@ from lightning.pytorch import Callback, Trainer
 
 from data.datamodule import TokenDataModule
 from training.callbacks.step_checkpoint import StepCheckpoint
-from training.checkpointing import init_from, layout
+from training.checkpointing import init_from
 from training.checkpointing.save import RunRecord
 from training.lit_module import LitLM
+from training.run import layout
+from training.run.manifest import git_revision
 
 MODEL = dict(dim=32, n_layers=2, n_heads=4)
 
@@ -48,7 +50,7 @@ def test_a_step_checkpoint_records_what_it_was_built_with(built):
     manifest = json.loads((ckpt / layout.MANIFEST).read_text())
     assert manifest["branched_from"] == record.branched_from and manifest["init_from"] == record.init_from
     assert (ckpt / layout.CONFIG_FILE).read_text() == record.resolved_config
-    assert manifest["git_revision"] == layout.git_revision()  # this checkout's, taken at setup
+    assert manifest["git_revision"] == git_revision()  # this checkout's, taken at setup
 
 
 class FirstWeights(Callback):

@@ -12,7 +12,7 @@ import yaml
 
 from tests.helpers.runs import scalars
 from training.cli import main as normlab
-from training.rundir import RunDir
+from training.run.dir import RunDir
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -26,7 +26,7 @@ def run(single_run: Path, tmp_path: Path) -> Path:
 def test_there_is_one_tensorboard_reader():
     readers = sorted(str(p.relative_to(REPO)) for folder in ("training", "scripts", "data", "model")
                      for p in (REPO / folder).rglob("*.py") if "EventAccumulator" in p.read_text())
-    assert readers == ["training/rundir.py"]
+    assert readers == ["training/run/dir.py"]
 
 
 def test_scalars_keep_the_newest_value_of_a_step_logged_twice(run):
@@ -87,3 +87,18 @@ def test_a_damaged_file_is_one_line_naming_it_and_the_fix(run, tmp_path, capsys,
     assert err.startswith(f"normlab {args[0]}: error: '{run / damaged}' cannot be read") and fix in err, err
     assert len(err.splitlines()) == 1
     assert not (tmp_path / "p.png").exists()
+
+
+def test_the_names_of_a_runs_files_are_spelled_in_one_place():
+    """Every file name of a run directory is run/layout.py's: no other module of training/ spells one (a reader or
+    writer elsewhere takes the name from there, and RunDir is the one reader of the run-level files)."""
+    import ast
+
+    from training.run import layout
+
+    names = {layout.CONFIG_FILE, layout.MODEL_CONFIG_FILE, layout.MANIFEST, layout.LOGGERS_FILE, layout.REQUEUES_FILE,
+             layout.RUN_RECORD, layout.LOG_FILE, layout.LOCK_FILE, layout.SWEEP_STATE_FILE}
+    spelled = [f"{p.relative_to(REPO)}:{n.lineno}: {n.value}" for p in sorted((REPO / "training").rglob("*.py"))
+               if p != REPO / "training" / "run" / "layout.py" for n in ast.walk(ast.parse(p.read_text()))
+               if isinstance(n, ast.Constant) and n.value in names]
+    assert spelled == []

@@ -285,7 +285,7 @@ def test_a_flipped_byte_is_refused_by_its_hash(kind, shard, runs, tmp_path, caps
     rc, output = normlab_inprocess(["evaluate", "--checkpoint", str(copy)], capsys)
     assert rc == 2 and f"'{shard}' was altered after it was saved" in output, output[-3000:]
     from training.checkpointing.branch import resolve_parent
-    from training.checkpointing.layout import CheckpointError
+    from training.errors import CheckpointError
 
     with pytest.raises(CheckpointError, match=f"'{shard}' was altered"):
         resolve_parent(str(copy))  # --branch_from (and --ckpt_path, through the same verify_files)

@@ -21,9 +21,8 @@ import yaml
 
 from tests.helpers.multiproc import REPO, cpu_env, free_port
 from tests.helpers.slurm import Cluster, slurm_cluster  # noqa: F401  (the session fixture)
-from training.checkpointing.layout import complete_checkpoints, step_of
 from training.checkpointing.safe import safe_torch_load
-from training.cluster import REQUEUE_RECORD
+from training.run.layout import REQUEUES_FILE, complete_checkpoints, step_of
 
 pytestmark = pytest.mark.slow
 
@@ -143,7 +142,7 @@ def test_a_warned_fit_saves_requeues_and_resumes_bit_for_bit_whatever_the_ranks_
     log = (work / "warned.out").read_text()
     assert record["JobState"] == "COMPLETED" and record["Restarts"] == str(len(phases)), (record, log[-4000:])
     run = work / "runs" / "warned"
-    requeues = json.loads((run / REQUEUE_RECORD).read_text())
+    requeues = json.loads((run / REQUEUES_FILE).read_text())
     assert [r["restart"] for r in requeues] == list(range(len(phases))), requeues
     assert all(r["reason"] == "warned by SIGUSR1" for r in requeues)
     assert log.count("requeueing job") == len(phases) and "Traceback" not in log, log[-4000:]
@@ -179,8 +178,8 @@ def test_a_two_node_sweep_run_survives_its_warning_and_a_lost_node(slurm_cluster
     runs = {w: sweep / f"window={w}" / "s0" for w in (10, 11, 12)}
     state = json.loads((sweep / "sweep.json").read_text())
     assert [(r["status"], r["step"]) for r in state["runs"]] == [("finished", STEPS)] * 3, (state, logs)
-    assert not (runs[10] / REQUEUE_RECORD).exists()
-    warned, lost = (json.loads((runs[w] / REQUEUE_RECORD).read_text()) for w in (11, 12))
+    assert not (runs[10] / REQUEUES_FILE).exists()
+    warned, lost = (json.loads((runs[w] / REQUEUES_FILE).read_text()) for w in (11, 12))
     assert [r["reason"] for r in warned] == ["warned by SIGUSR1"], warned
     assert [r["reason"] for r in lost] == ["a rank was lost"] and lost[0]["step"] == 4, lost
     # The ranks got the warning (not srun a SIGTERM): they stopped, saved and requeued before Slurm's requeue ended
@@ -207,7 +206,7 @@ def test_zero3_warned_then_preempted_saves_both_times_and_resumes_to_the_same_we
     assert record["JobState"] == "COMPLETED" and record["ExitCode"] == "0:0" and record["Restarts"] == "1", \
         (record, log[-4000:])
     run = work / "runs" / "zero3"
-    assert [r["restart"] for r in json.loads((run / REQUEUE_RECORD).read_text())] == [0]
+    assert [r["restart"] for r in json.loads((run / REQUEUES_FILE).read_text())] == [0]
     assert "on SIGTERM" in log and log.count("requeueing job") == 1, log[-4000:]
     stopped = complete_checkpoints(run)[-1]
     assert step_of(stopped) < STEPS

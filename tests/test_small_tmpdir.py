@@ -12,9 +12,9 @@ import lightning.pytorch  # noqa: F401
 import pytest
 
 from tests.helpers.multiproc import REPO
-from training.checkpointing import layout
 from training.checkpointing.load import load_checkpoint
 from training.cli import main
+from training.run import layout
 
 pytestmark = pytest.mark.filterwarnings("ignore:LightningCLI's args parameter")
 

@@ -18,11 +18,11 @@ from safetensors.torch import load_file
 from model import ModelConfig, Transformer
 from model.names import layer_index
 from tests.helpers.multiproc import REPO
-from tests.helpers.runs import scalars
+from tests.helpers.runs import read_manifest, scalars
 from training.callbacks.guard import NonFiniteGuard
-from training.checkpointing import layout
 from training.cli import main
 from training.errors import DEBUG_ENV
+from training.run import layout
 
 pytestmark = pytest.mark.filterwarnings("ignore:LightningCLI's args parameter")
 
@@ -174,7 +174,7 @@ def test_a_failed_dump_leaves_nothing_half_written_and_training_goes_on(workdir,
     assert not list((run / "spikes").iterdir())
     log = capsys.readouterr().err
     assert "could not write the spike dump of step 4" in log and "No space left" in log
-    assert layout.read_manifest(layout.checkpoints_dir(run) / "step-00000005")["step"] == 5
+    assert read_manifest(layout.checkpoints_dir(run) / "step-00000005")["step"] == 5
 
 
 @pytest.mark.parametrize("kwargs, message", [

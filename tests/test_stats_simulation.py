@@ -1,4 +1,4 @@
-"""What the verdict rules guarantee, checked by simulation against the product's own code (training/stats.py):
+"""What the verdict rules guarantee, checked by simulation against the product's own code (training/stats/):
 - within one family (a study claim's primaries, a sweep's question), Holm keeps the chance of any false verdict
   ≤ α under a simulated null, where the same tests unadjusted would not;
 - Benjamini–Hochberg across many claims keeps the share of false findings ≤ α;

@@ -16,8 +16,8 @@ import pytest
 import torch
 import yaml
 
-from training.checkpointing.layout import complete_checkpoints
 from training.cli import main
+from training.run.layout import complete_checkpoints
 from training.sweep.spec import load_spec
 from training.sweep.state import run_status
 

@@ -8,6 +8,7 @@ import socket
 from pathlib import Path
 from typing import Any, ClassVar
 
+import pytest
 import yaml
 
 from training.sweep import executors
@@ -35,7 +36,7 @@ class Toy:
 
 def test_a_new_executor_is_one_class_and_one_entry(tmp_path, monkeypatch, capsys):
     from training.cli import main
-    from training.rundir import RUN_RECORD
+    from training.run.layout import RUN_RECORD
     from training.sweep.state import run_status, write_json
 
     toy = Toy()
@@ -70,3 +71,28 @@ def test_each_executor_judges_its_own_attempts():
     assert Slurm().alive({**dead, "host": "elsewhere", "slurm_job": None})  # no evidence of death
     assert isinstance(executor_of({"slurm_job": "17"}), Slurm) and isinstance(executor_of({}), Local)
     assert executors.EXECUTORS["slurm"].name == "slurm"
+
+
+def test_executor_settings_live_under_the_executors_name_and_the_older_slurm_key_still_reads(tmp_path, capsys):
+    """`executor: {slurm: {...}}` is the spec's home for an executor's settings; a top-level `slurm: {...}` (older
+    specs) reads the same, both at once is refused, and a name that is no executor is one line naming the choices."""
+    from training.cli import main
+    from training.errors import UserError
+    from training.sweep.slurm import script
+    from training.sweep.spec import load_spec
+
+    shutil.copy(HELPERS / "tiny.yaml", tmp_path / "tiny.yaml")
+    base = {"name": "s", "runs_dir": str(tmp_path / "runs"), "base": {"config": [str(tmp_path / "tiny.yaml")]}}
+    settings = {"partition": "gpu", "time": "01:00:00", "signal_seconds": 60}
+
+    def spec(name: str, **keys: Any) -> Path:
+        (tmp_path / f"{name}.yaml").write_text(yaml.safe_dump({**base, **keys}))
+        return tmp_path / f"{name}.yaml"
+
+    new, old = load_spec(spec("new", executor={"slurm": settings})), load_spec(spec("old", slurm=settings))
+    assert new.slurm == old.slurm == settings
+    assert script(new, tmp_path / "t.json", 2, None) == script(old, tmp_path / "t.json", 2, None)
+    with pytest.raises(UserError, match=r"slurm settings are given twice, as `slurm:` and as `executor: \{slurm"):
+        load_spec(spec("both", slurm=settings, executor={"slurm": settings}))
+    assert main(["sweep", str(spec("bad", executor={"kubernetes": {}})), "--dry_run"]) == 2
+    assert "executor key 'kubernetes' is not an executor; choose from local, slurm" in capsys.readouterr().err

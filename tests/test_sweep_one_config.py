@@ -17,7 +17,8 @@ from tests.helpers.multiproc import REPO
 from training.cli import main
 from training.cli_checks import CONFIG_HASHES_ENV
 from training.errors import DEBUG_ENV, UserError
-from training.rundir import RUN_RECORD, RunDir
+from training.run.dir import RunDir
+from training.run.layout import RUN_RECORD
 from training.sweep.results import check_one_config_per_cell
 from training.sweep.runner import Snapshot
 from training.sweep.spec import load_spec

@@ -2,7 +2,7 @@
 is worked out by hand in the comment beside it."""
 from __future__ import annotations
 
-from training.rundir import STATUSES
+from training.run.dir import STATUSES
 from training.sweep.progress import STATUS_ORDER, RunView, counts, duration, eta, footer
 
 NOW = 1000.0

@@ -214,7 +214,7 @@ def _variant(sweep: Path, root: Path, **fields) -> Path:
     ({"question": "why"}, "question 'why' must be one of"),
 ])
 def test_bad_input_is_one_line(sweep, tmp_path, fields, message, capsys):
-    from training.errors import report
+    from training.errors import report_user_error as report
 
     root = tmp_path / "bad"
     if fields is None:

@@ -17,7 +17,7 @@ import torch
 import yaml
 
 from tests.helpers.slurm import slurm_cluster  # noqa: F401  (the session fixture)
-from training.rundir import RunDir
+from training.run.dir import RunDir
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 24

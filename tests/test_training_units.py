@@ -15,10 +15,12 @@ import torch
 
 from model import ModelConfig, Transformer
 from training.callbacks.rng import capture_rng, restore_rng
-from training.checkpointing import layout, resume
-from training.errors import UserError
+from training.checkpointing import resume
+from training.checkpointing.plan import resolve
+from training.errors import CheckpointError, UserError
 from training.lit_module import LitLM
 from training.optim import OptimConfig, build_optimizer, lr_factor, param_groups
+from training.run import layout
 from training.strategy import ZERO_NAMES, DeepSpeed, adopt_deepspeed_launcher_env, load_deepspeed_config
 
 
@@ -156,18 +158,18 @@ def _fake_ckpt(run_dir, step, fmt="deepspeed", complete=True):
 
 def test_checkpoint_naming_and_last(tmp_path):
     assert layout.step_dirname(42) == "step-00000042"
-    assert layout.resolve("last", tmp_path) == (None, None)  # nothing yet: start fresh
+    assert resolve("last", tmp_path) == (None, None)  # nothing yet: start fresh
     _fake_ckpt(tmp_path, 100)
     newest = _fake_ckpt(tmp_path, 1000)
     _fake_ckpt(tmp_path, 2000, complete=False)  # being written / crashed mid-save: never "last"
     (layout.checkpoints_dir(tmp_path) / "step-junk").mkdir()
-    assert layout.resolve("last", tmp_path) == (str(newest), 1000)  # numeric order, complete only
+    assert resolve("last", tmp_path) == (str(newest), 1000)  # numeric order, complete only
     lightning = _fake_ckpt(tmp_path / "other", 7, fmt="lightning")
-    assert layout.resolve(str(lightning), tmp_path) == (str(lightning / layout.LIGHTNING_FILE), 7)
-    assert layout.resolve(None, tmp_path) == (None, None)
-    with pytest.raises(layout.CheckpointError, match="no such checkpoint"):
-        layout.resolve(str(tmp_path / "missing"), tmp_path)
-    with pytest.raises(layout.CheckpointError, match="--ckpt_path last"):
+    assert resolve(str(lightning), tmp_path) == (str(lightning / layout.LIGHTNING_FILE), 7)
+    assert resolve(None, tmp_path) == (None, None)
+    with pytest.raises(CheckpointError, match="no such checkpoint"):
+        resolve(str(tmp_path / "missing"), tmp_path)
+    with pytest.raises(CheckpointError, match="--ckpt_path last"):
         resume.check_fresh_run(tmp_path)
     resume.check_fresh_run(tmp_path / "new-run")
 

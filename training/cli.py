@@ -8,7 +8,7 @@
 small (~7.4M parameter) Llama-style model, fp32 on CPU (bf16-mixed on a GPU), logging to `runs/default/`.
 
 Run layout: `--runs_dir`/`--name` (default `runs/default`) holds the TensorBoard events, `config.yaml` and
-`checkpoints/step-XXXXXXXX/` (layout: training/checkpointing/layout.py; saving: training/callbacks/step_checkpoint.py),
+`checkpoints/step-XXXXXXXX/` (layout: training/run/layout.py; saving: training/checkpointing/save.py),
 and `spikes/step-XXXXXXXX/` with `--guard.dump_spike_z` (training/callbacks/spikes.py).
 `--ckpt_path last` resumes the newest complete checkpoint — or starts fresh when there is none, so one command
 both starts and resumes a job. `--branch_from` starts a new run from another run's checkpoint
@@ -19,16 +19,15 @@ from __future__ import annotations
 import argparse
 import importlib
 import itertools
-import logging
 import os
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, NoReturn
 
-from training import signals
-from training.console import quiet_third_party
-from training.errors import UserError, is_user_error, report
+from training.cluster import signals
+from training.console import quiet_third_party, setup_logging
+from training.errors import UserError, is_user_error, report_user_error
 from training.subcommands import LIGHTNING_SUBCOMMANDS
 
 # Plain commands: name → ("module:function", one-line help). The function takes the remaining argv and returns
@@ -54,42 +53,6 @@ def usage() -> str:
             "default corpus (a CPU is enough).\n")
 
 
-def _is_rank_zero() -> bool:
-    """Lightning's notion of the global rank once it is imported and set; the launcher's env vars before."""
-    rank_zero = sys.modules.get("lightning_utilities.core.rank_zero")  # home of Lightning's rank_zero_only
-    rank = getattr(getattr(rank_zero, "rank_zero_only", None), "rank", None)
-    if rank is None:
-        rank = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", os.environ.get("LOCAL_RANK", 0))))
-    return rank == 0
-
-
-class _StderrHandler(logging.StreamHandler):
-    """A StreamHandler on whatever `sys.stderr` is when a record is written (not the one at set-up): a caller
-    that redirects stderr, such as a test capturing one command after another, gets normlab's log lines too."""
-
-    @property
-    def stream(self) -> Any:
-        return sys.stderr
-
-    @stream.setter
-    def stream(self, _: Any) -> None:
-        pass
-
-
-def _setup_logging() -> None:
-    """INFO from normlab's own loggers on rank 0; warnings and errors from every rank. (Without importing
-    Lightning: `normlab prepare` should not pay for it.)"""
-    handler = _StderrHandler()
-    handler.setFormatter(logging.Formatter("[%(asctime)s %(name)s] %(message)s", "%H:%M:%S"))
-    handler.addFilter(lambda record: record.levelno >= logging.WARNING or _is_rank_zero())
-    for name in ("training", "data", "model"):
-        logger = logging.getLogger(name)
-        if not logger.handlers:
-            logger.addHandler(handler)
-            logger.setLevel(logging.INFO)
-            logger.propagate = False  # a command's own basicConfig must not print each line twice
-
-
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `normlab` console script."""
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -97,14 +60,14 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.write(usage())
         return 0 if argv else 2
     command = argv[0]
-    _setup_logging()
+    setup_logging()
     quiet_third_party()
     try:
         return run_command(command, argv)
     except Exception as err:
         if not is_user_error(err):
             raise
-        return report(command, err)
+        return report_user_error(command, err)
 
 
 def run_command(command: str, argv: list[str]) -> int:
@@ -120,7 +83,7 @@ def run_command(command: str, argv: list[str]) -> int:
             # LightningCLI reads sys.argv itself when args is None (and warns when given both).
             run_lightning(None if argv == sys.argv[1:] else argv)
         except Exception as err:
-            from training.cluster import collective_failure
+            from training.cluster.failure import collective_failure
 
             line = None if is_user_error(err) else collective_failure(err, stop.timeout.total_seconds() if stop
                                                                      else None)

@@ -24,20 +24,20 @@ from __future__ import annotations
 import argparse
 import difflib
 import logging
-import re
 import sys
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from training import health_tags
 from training.errors import UserError
-from training.errors import report as report_error
 from training.eval import metrics
 from training.plotting import pyplot, save_figure
-from training.rundir import RunDir
+from training.run.dir import RunDir
+from training.stats import MODES
+from training.sweep.alive import alive
 from training.sweep.results import TRAIN_LOSS, RunResult, plain_tags, result
-from training.sweep.state import alive
 
 log = logging.getLogger(__name__)
 
@@ -54,12 +54,12 @@ def summary(run: RunDir, last: int, metric: str = "val/loss") -> dict[str, Any]:
     steps = max((points[-1][0] for tag, points in s.items() if tag.startswith("train/")), default=0)
     manifest = run.manifest
     tokens = manifest.tokens_seen if manifest and manifest.step == steps else None
-    layers = sorted((int(m.group(1)), tag) for tag in s if (m := re.fullmatch(r"resid/rms/L(\d+)", tag)))
+    layers = health_tags.by_layer(s, health_tags.RESID_RMS)
     growth = None
     if layers:
-        top = run.last("resid/final_in") or run.last(layers[-1][1])
+        top = run.last(health_tags.FINAL_IN) or run.last(layers[-1][1])
         growth = top / run.last(layers[0][1]) if run.last(layers[0][1]) else None
-    logits = [run.last(tag) for tag in s if re.fullmatch(r"attn/max_logit/L\d+", tag)]
+    logits = [run.last(tag) for _, tag in health_tags.by_layer(s, health_tags.ATTN_MAX_LOGIT)]
     tps = [v for _, v in s.get("throughput/tokens_per_sec", [])[-last:]]
     return {
         "metric": val[-1] if val else None, "spread": float(np.std(val[-last:])) if val else None,
@@ -85,7 +85,7 @@ def _fmt(value: Any, spec: str = ".4f") -> str:
     return "-" if value is None else format(value, spec)
 
 
-def report(runs: list[RunDir], summaries: list[dict[str, Any]], last: int, metric: str = "val/loss") -> str:
+def summary_table(runs: list[RunDir], summaries: list[dict[str, Any]], last: int, metric: str = "val/loss") -> str:
     names = [r.name for r in runs]
     diffs = config_differences(runs)
     parts = ["config differences:" if diffs else "config differences: none (apart from the run names)"]
@@ -184,31 +184,28 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--last", type=int, default=3, help="metric / throughput points the spread and mean use")
     ap.add_argument("--plot", type=Path, default=Path("compare.png"), help="where the loss-vs-tokens plot goes")
     ap.add_argument("--group_by", nargs="+", metavar="KEY", help="config keys that make a cell (seeds replicate)")
-    ap.add_argument("--mode", choices=("min", "max"), default="min", help="with --group_by: which way is better")
+    ap.add_argument("--mode", choices=MODES, default="min", help="with --group_by: which way is better")
     ap.add_argument("--baseline", help="with --group_by: the cell the others are compared with (as printed)")
     ap.add_argument("--margin", type=float, help="with --baseline: the equivalence margin (in the metric's units)")
     ap.add_argument("--lr_key", default="optim.lr", help="with --group_by: the learning-rate key, if grouped by")
     args = ap.parse_args(argv)
-    try:
-        if args.last < 1:
-            raise UserError(f"--last {args.last}: must be at least 1")
-        if args.margin is not None and not args.margin > 0:
-            raise UserError(f"--margin {args.margin}: must be > 0 (the smallest difference that matters)")
-        if (args.baseline or args.margin is not None) and not args.group_by:
-            raise UserError("--baseline and --margin compare cells: give --group_by KEY... too")
-        runs = [RunDir(path).require_logged() for path in args.runs]
-        args.metric, why = choose_metric(runs, args.metric)
-        if args.group_by:
-            text = grouped(runs, args)
-            from training.sweep import plots
-            from training.sweep.analysis import cells_of
+    if args.last < 1:
+        raise UserError(f"--last {args.last}: must be at least 1")
+    if args.margin is not None and not args.margin > 0:
+        raise UserError(f"--margin {args.margin}: must be > 0 (the smallest difference that matters)")
+    if (args.baseline or args.margin is not None) and not args.group_by:
+        raise UserError("--baseline and --margin compare cells: give --group_by KEY... too")
+    runs = [RunDir(path).require_logged() for path in args.runs]
+    args.metric, why = choose_metric(runs, args.metric)
+    if args.group_by:
+        text = grouped(runs, args)
+        from training.sweep import plots
+        from training.sweep.analysis import cells_of
 
-            plots.curves(cells_of(group(runs, args.group_by, args.metric)), plots.curve_tags(args.metric), args.plot)
-        else:
-            text = report(runs, [summary(r, args.last, args.metric) for r in runs], args.last, args.metric)
-            plot(runs, args.plot, args.metric)
-    except UserError as err:
-        return report_error("compare", err)
+        plots.curves(cells_of(group(runs, args.group_by, args.metric)), plots.curve_tags(args.metric), args.plot)
+    else:
+        text = summary_table(runs, [summary(r, args.last, args.metric) for r in runs], args.last, args.metric)
+        plot(runs, args.plot, args.metric)
     sys.stdout.write(f"{why}\n\n{text}" if why else text)
     print(f"\nloss against tokens: {args.plot}")
     return 0

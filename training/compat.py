@@ -22,7 +22,7 @@ What this module provides:
   `torch.load` use).
 - `set_collective_timeout`: `cluster.timeout_s` for every process group, DeepSpeed's included.
 - `own_signals`: the trainer's signal connector replaced by one that installs no handler, so that normlab's stop
-  handlers (training/signals.py) own SIGTERM, SIGINT and Slurm's warning signal.
+  handlers (training/cluster/signals.py) own SIGTERM, SIGINT and Slurm's warning signal.
 - The touches made elsewhere are listed too, so an upgrade reads them: the progress bar's description
   (`callbacks/progress.py`), the epoch loop's `max_steps` (`callbacks/step_checkpoint.py`), the ZeRO optimizer's
   overflow test and gradient scaler (`callbacks/guard.py`), ZeRO-3's init context (`checkpointing/init_from.py`),
@@ -146,13 +146,14 @@ PATCHES: dict[str, Patch] = {p.target: p for p in [
           "StepRichProgressBar (callbacks/progress.py) overrides it: the bar's description counts optimizer steps "
           "(of max_steps), not epochs", "lightning", LIGHTNING),
     Patch("lightning.pytorch.loops.training_epoch_loop:_TrainingEpochLoop.max_steps",
-          "StepCheckpoint lowers it to the current step after an agreed stop signal: the fit ends after this step, "
-          "as at max_steps (trainer.should_stop would run one more validation first)", "lightning", LIGHTNING),
-    # -- signals and collectives (training/signals.py, training/cluster.py) ---------------------------------------
+          "StopOnSignal (cluster/stop.py) lowers it to the current step after an agreed stop signal: the fit ends "
+          "after this step, as at max_steps (trainer.should_stop would run one more validation first)", "lightning",
+          LIGHTNING),
+    # -- signals and collectives (training/cluster/) --------------------------------------------------------------
     Patch("lightning.pytorch.trainer.trainer:Trainer._signal_connector",
           "replaced by one that installs no handler (own_signals): Lightning's SIGTERM handler broadcasts from inside "
           "the handler and its SLURM USR1 handler saves and requeues from inside it, a collective at an arbitrary "
-          "line of each rank (a deadlock); normlab's handlers only record (training/signals.py)",
+          "line of each rank (a deadlock); normlab's handlers only record (training/cluster/signals.py)",
           "lightning", LIGHTNING),
     Patch("lightning.pytorch.trainer.connectors.signal_connector:_SignalConnector.register_signal_handlers",
           "overridden to install nothing (NoLightningSignals; see Trainer._signal_connector)", "lightning", LIGHTNING),
@@ -323,8 +324,8 @@ def hold_recovery_script(engine: Any, hold: Callable[[Callable], Callable]) -> N
 
 
 class NoLightningSignals(_SignalConnector):
-    """Lightning's signal connector minus its handlers: normlab's own (training/signals.py) stay in place, so
-    Lightning's `received_sigterm` stays False and none of its signal paths (a broadcast inside the SIGTERM handler,
+    """Lightning's signal connector minus its handlers: normlab's own (training/cluster/signals.py) stay in place,
+    so Lightning's `received_sigterm` stays False and none of its signal paths (a broadcast inside the SIGTERM handler,
     the SLURM auto-requeue save inside the USR1 handler) can run."""
 
     def register_signal_handlers(self) -> None:

@@ -1,4 +1,5 @@
-"""What reaches a user's console from the libraries under normlab: the lines they cannot act on, silenced.
+"""What reaches a user's console: normlab's own log lines (`setup_logging`), and from the libraries under normlab
+the lines a user cannot act on, silenced (`quiet_third_party`).
 
 `quiet_third_party()` runs first in every `normlab` command (training/cli.py `main`), on every rank (Lightning's
 spawned ranks and the launchers' re-enter `main` too). Each entry below names one message, by category and by
@@ -12,8 +13,11 @@ needs a reason a user can do nothing about the message; tests/test_console.py fa
 from __future__ import annotations
 
 import logging
+import sys
 import warnings
+from typing import Any
 
+from training.cluster.rank import launcher_rank
 from training.errors import debug
 
 # (category, message regex, emitting module regex, why a user cannot act on it). warnings.filterwarnings matches
@@ -72,3 +76,37 @@ def quiet_third_party() -> None:
         logger = logging.getLogger(name)  # the very logger the library creates later under that name
         if not any(isinstance(f, _DropPrefix) and f.prefix == prefix for f in logger.filters):
             logger.addFilter(_DropPrefix(prefix))
+
+
+def _is_rank_zero() -> bool:
+    """Lightning's notion of the global rank once it is imported and set; the launcher's before."""
+    rank_zero = sys.modules.get("lightning_utilities.core.rank_zero")  # home of Lightning's rank_zero_only
+    rank = getattr(getattr(rank_zero, "rank_zero_only", None), "rank", None)
+    return launcher_rank() == 0 if rank is None else rank == 0
+
+
+class _StderrHandler(logging.StreamHandler):
+    """A StreamHandler on whatever `sys.stderr` is when a record is written (not the one at set-up): a caller
+    that redirects stderr, such as a test capturing one command after another, gets normlab's log lines too."""
+
+    @property
+    def stream(self) -> Any:
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _: Any) -> None:
+        pass
+
+
+def setup_logging() -> None:
+    """INFO from normlab's own loggers on rank 0; warnings and errors from every rank. (Without importing
+    Lightning: `normlab prepare` should not pay for it.)"""
+    handler = _StderrHandler()
+    handler.setFormatter(logging.Formatter("[%(asctime)s %(name)s] %(message)s", "%H:%M:%S"))
+    handler.addFilter(lambda record: record.levelno >= logging.WARNING or _is_rank_zero())
+    for name in ("training", "data", "model"):
+        logger = logging.getLogger(name)
+        if not logger.handlers:
+            logger.addHandler(handler)
+            logger.setLevel(logging.INFO)
+            logger.propagate = False  # a command's own basicConfig must not print each line twice

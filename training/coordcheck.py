@@ -26,13 +26,14 @@ import torch
 from data.atomic import write_text_atomic
 from model import ModelConfig, Transformer
 from model.probes import record, token_rms
-from training.errors import UserError, report
+from training import health_tags as T
+from training.errors import UserError
 from training.optim import OptimConfig, build_optimizer
 from training.plotting import pyplot, save_figure
 
 log = logging.getLogger(__name__)
 QUANTITIES = ("stream", "attn", "mlp", "logits")
-_PROBE = {"stream": "resid/rms_out/L{i}", "attn": "resid/update_rms/attn/L{i}", "mlp": "resid/update_rms/mlp/L{i}"}
+_PROBE = {"stream": (T.RESID_RMS_OUT, None), "attn": (T.UPDATE_RMS, "attn"), "mlp": (T.UPDATE_RMS, "mlp")}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -66,7 +67,8 @@ def measure(cfg: ModelConfig, spec: CheckSpec) -> dict[str, float]:
     with torch.no_grad(), record(model) as rec:
         logits = model(tokens[:, :-1])
     values = rec.scalars()
-    out = {f"{q}/L{i}": values[_PROBE[q].format(i=i)] for q in _PROBE for i in range(cfg.n_layers)}
+    out = {f"{q}/L{i}": values[T.layer(family, i, sublayer)] for q, (family, sublayer) in _PROBE.items()
+           for i in range(cfg.n_layers)}
     out["logits"] = token_rms(logits).item()
     return out
 
@@ -141,23 +143,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lr", type=float, default=d.lr, help="the one fixed AdamW LR of every width")
     ap.add_argument("--output", type=Path, default=Path("coordcheck"), help="directory for the plot and tables")
     args = ap.parse_args(argv)
-    try:
-        spec = CheckSpec(widths=tuple(args.widths), base_width=args.base_width, n_layers=args.n_layers,
-                         n_heads=args.n_heads, vocab_size=args.vocab_size, seq_len=args.seq_len,
-                         batch_size=args.batch_size, steps=args.steps, lr=args.lr, seed=args.seed)
-        if len(spec.widths) < 2:
-            raise UserError(f"--widths {args.widths}: give at least two widths to fit a slope")
-        configs = [dict(placement=p, norm=n, parametrization=m)
-                   for p, n, m in itertools.product(args.placements, args.norms, args.parametrizations)]
-        for fields, width in itertools.product(configs, spec.widths):  # all valid before the first model trains
-            try:
-                ModelConfig.preset("llama", dim=width, n_heads=spec.n_heads, mup_base_width=spec.base_width, **fields)
-            except ValueError as err:
-                raise UserError(f"width {width}, {fields}: {err}") from None
-        args.output.mkdir(parents=True, exist_ok=True)
-        results = run(spec, configs)
-    except UserError as err:
-        return report("coordcheck", err)
+    spec = CheckSpec(widths=tuple(args.widths), base_width=args.base_width, n_layers=args.n_layers,
+                     n_heads=args.n_heads, vocab_size=args.vocab_size, seq_len=args.seq_len,
+                     batch_size=args.batch_size, steps=args.steps, lr=args.lr, seed=args.seed)
+    if len(spec.widths) < 2:
+        raise UserError(f"--widths {args.widths}: give at least two widths to fit a slope")
+    configs = [dict(placement=p, norm=n, parametrization=m)
+               for p, n, m in itertools.product(args.placements, args.norms, args.parametrizations)]
+    for fields, width in itertools.product(configs, spec.widths):  # all valid before the first model trains
+        try:
+            ModelConfig.preset("llama", dim=width, n_heads=spec.n_heads, mup_base_width=spec.base_width, **fields)
+        except ValueError as err:
+            raise UserError(f"width {width}, {fields}: {err}") from None
+    args.output.mkdir(parents=True, exist_ok=True)
+    results = run(spec, configs)
     text = table(results)
     write_text_atomic(args.output / "coordcheck.md", text)
     write_text_atomic(args.output / "coordcheck.json", json.dumps(results, indent=1) + "\n")

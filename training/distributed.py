@@ -1,5 +1,5 @@
-"""Collectives for the callbacks: plain Python objects (the strategy's own `broadcast` covers rank 0 → all), one
-error for all ranks, and a parameter's full value under DeepSpeed ZeRO."""
+"""Collectives for the callbacks and the checkpoint code: plain Python objects (the strategy's own `broadcast`
+covers rank 0 → all), one error for all ranks, and a parameter's full value and gradient under DeepSpeed ZeRO."""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -7,10 +7,17 @@ from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
+from lightning.pytorch.strategies import DeepSpeedStrategy, Strategy
 
-from training.checkpointing.manifest import CheckpointError
+from training.errors import CheckpointError
 
 T = TypeVar("T")
+
+
+def is_deepspeed(strategy: Strategy) -> bool:
+    """Whether `strategy` is DeepSpeed's: its checkpoints are DeepSpeed directories (vs. Lightning files) and its
+    parameters and gradients are partitioned (`full_param`, `full_grad`)."""
+    return isinstance(strategy, DeepSpeedStrategy)
 
 
 def gather_objects(value: Any) -> list[Any]:
@@ -24,15 +31,24 @@ def gather_objects(value: Any) -> list[Any]:
 
 
 def together(fn: Callable[[], T]) -> T:
-    """`fn()` on every rank; if it raised anywhere, every rank raises the first failing rank's error (a
-    CheckpointError as itself, anything else as a RuntimeError with its message): a rank that raised alone would
-    leave the others waiting in the next collective. A collective: every rank must call it."""
+    """`fn()` on every rank; if it raised anywhere, every rank raises the first failing rank's error (see
+    `shared_failure`). A collective: every rank must call it."""
+    return shared_failure(fn, gather_objects)
+
+
+def shared_failure(fn: Callable[[], T], share: Callable[[Any], list[Any]], run: bool = True) -> T | None:
+    """`fn()` on the ranks where `run` (None elsewhere); if it raised on any of them, every rank raises the first
+    failing rank's error — a CheckpointError as itself (still one line to the user), anything else as a
+    RuntimeError with its message — since a rank that raised alone would leave the others waiting in the next
+    collective. `share(error)` hands each rank's error (None: none) to every rank, as a list in rank order: the
+    `gather_objects` of `together`, or a strategy's broadcast from rank 0 when only rank 0 runs `fn`."""
     result, error = None, None
-    try:
-        result = fn()
-    except Exception as err:  # any failure must reach the other ranks
-        error = (type(err) if isinstance(err, CheckpointError) else RuntimeError, str(err))
-    failed = [e for e in gather_objects(error) if e is not None]
+    if run:
+        try:
+            result = fn()
+        except Exception as err:  # any failure must reach the other ranks
+            error = (type(err) if isinstance(err, CheckpointError) else RuntimeError, str(err))
+    failed = [e for e in share(error) if e is not None]
     if failed:
         cls, message = failed[0]
         raise cls(message)
@@ -49,3 +65,14 @@ def full_param(param: torch.nn.Parameter, deepspeed: bool) -> torch.Tensor:
         if full is not None:
             return full
     return param.detach()
+
+
+def full_grad(param: torch.nn.Parameter, deepspeed: bool) -> torch.Tensor | None:
+    """The whole gradient of `param` on every rank (None without one): under DeepSpeed, gathered from its ZeRO
+    partitions, where `param.grad` is partitioned or None (a collective: every rank must call it, in the same
+    order); otherwise `param.grad`."""
+    if deepspeed:
+        from deepspeed.utils import safe_get_full_grad
+
+        return safe_get_full_grad(param)
+    return param.grad

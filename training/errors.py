@@ -21,13 +21,17 @@ class UserError(ValueError):
     """Bad input that the user can fix; the message names the field, value or file and says how."""
 
 
+class CheckpointError(UserError):
+    """A checkpoint that is missing, incomplete, unreadable or does not fit this run; the message names the path
+    and the fix."""
+
+
 def is_user_error(err: BaseException) -> bool:
     """Whether `err` is bad input rather than a bug: normlab's own error types, a command-line parse error
     (jsonargparse), or a setting Lightning refuses (`MisconfigurationException`)."""
     from data.errors import DataError
-    from training.checkpointing.layout import CheckpointError
 
-    if isinstance(err, (UserError, DataError, CheckpointError)):
+    if isinstance(err, (UserError, DataError)):
         return True
     if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):  # a full disk: free space, rerun
         return True
@@ -41,7 +45,7 @@ def debug() -> bool:
     return os.environ.get(DEBUG_ENV, "") not in ("", "0")
 
 
-def report(command: str, err: BaseException) -> int:
+def report_user_error(command: str, err: BaseException) -> int:
     """Print `err` as the one error line of `normlab <command>` and return the exit status (re-raise it under
     NORMLAB_DEBUG=1, for its traceback)."""
     if debug():

@@ -21,8 +21,8 @@ from data.layout import load_tokenizer
 from model import Transformer
 from model.hf_compat import hf_family, to_hf
 from model.mup import to_standard
-from training.checkpointing.load import NORMLAB_EXPORT_CONFIG, CheckpointError, Loaded, load_checkpoint
-from training.errors import UserError, report
+from training.checkpointing.load import NORMLAB_EXPORT_CONFIG, Loaded, load_checkpoint
+from training.errors import UserError
 
 
 def _special_tokens(tokenizer_path: Path) -> dict[str, tuple[str, int]]:
@@ -89,9 +89,12 @@ def _write_hf(loaded: Loaded, out: Path, dtype: torch.dtype) -> None:
 
 
 def hf_equivalent(model: Transformer) -> Transformer:
-    """`model` as Hugging Face can run it: a μP model with its multipliers folded into the weights (same logits,
-    model/mup.py), or one UserError line where they cannot be folded."""
+    """`model` as Hugging Face can run it — a config with a `transformers` equivalent (model/hf_compat.py), a μP
+    model with its multipliers folded into the weights (same logits, model/mup.py) — or one UserError line naming
+    the field that prevents it. (model/ raises ValueError, since it cannot import training.errors: the refusal is
+    bad input, said so here.)"""
     try:
+        hf_family(model.cfg)
         return to_standard(model)
     except ValueError as err:
         raise UserError(str(err)) from None
@@ -117,8 +120,7 @@ def export(checkpoint: str | Path, output: str | Path, dtype: str = "float32", f
         raise UserError(f"'{output}' already exists and is not empty; choose another --output or pass --overwrite")
     loaded = load_checkpoint(checkpoint)
     if fmt == "hf":
-        hf_family(loaded.model.cfg)  # fail before writing anything, naming the field that prevents it
-        loaded.model = hf_equivalent(loaded.model)
+        loaded.model = hf_equivalent(loaded.model)  # before writing anything
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
     tmp = output.with_name(f".{output.name}.tmp-{os.getpid()}")  # beside the output: the rename stays atomic
     try:
@@ -150,13 +152,6 @@ def main(argv: list[str] | None = None) -> int:
                     help="hf: a transformers directory (Llama, Qwen3, OLMo 2 configs); safetensors: normlab's own")
     ap.add_argument("--overwrite", action="store_true")
     args = ap.parse_args(argv)
-    try:
-        out = export(args.checkpoint, args.output, args.dtype, args.fmt, args.overwrite)
-    except (CheckpointError, ValueError) as err:  # (ValueError: a config with no Hugging Face equivalent)
-        return report("export", err)
+    out = export(args.checkpoint, args.output, args.dtype, args.fmt, args.overwrite)
     print(f"exported {args.checkpoint} → {out} ({args.fmt}, {args.dtype})")
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -7,8 +7,8 @@ import math
 import torch
 
 from model.generate import generate
-from training.checkpointing.load import CheckpointError, load_checkpoint
-from training.errors import UserError, report
+from training.checkpointing.load import load_checkpoint
+from training.errors import CheckpointError, UserError
 
 
 def check_sampling(args: argparse.Namespace) -> None:
@@ -38,31 +38,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default=None, help="cpu | cuda (default: cuda when available)")
     args = ap.parse_args(argv)
-    try:
-        check_sampling(args)
-        device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-        loaded = load_checkpoint(args.checkpoint, device=device)
-        if loaded.tokenizer_path is None or not loaded.tokenizer_path.is_file():
-            raise CheckpointError(f"no tokenizer found for '{args.checkpoint}' (its run's data directory or an "
-                                  "exported tokenizer.model / tokenizer.json)")
-        from data.layout import load_tokenizer
+    check_sampling(args)
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    loaded = load_checkpoint(args.checkpoint, device=device)
+    if loaded.tokenizer_path is None or not loaded.tokenizer_path.is_file():
+        raise CheckpointError(f"no tokenizer found for '{args.checkpoint}' (its run's data directory or an "
+                              "exported tokenizer.model / tokenizer.json)")
+    from data.layout import load_tokenizer
 
-        tok = load_tokenizer(loaded.tokenizer_path)
-        ids = tok.encode_batch([args.prompt])[0]
-        prompt = torch.tensor([ids or [tok.bos_id if tok.bos_id >= 0 else tok.eos_id]], device=device)
-        room = loaded.model.cfg.max_seq_len - prompt.shape[1]
-        if room <= 0:
-            raise UserError(f"the prompt is {prompt.shape[1]} tokens, the model's max_seq_len is "
-                            f"{loaded.model.cfg.max_seq_len}; shorten --prompt")
-    except (CheckpointError, UserError) as err:
-        return report("generate", err)
+    tok = load_tokenizer(loaded.tokenizer_path)
+    ids = tok.encode_batch([args.prompt])[0]
+    prompt = torch.tensor([ids or [tok.bos_id if tok.bos_id >= 0 else tok.eos_id]], device=device)
+    room = loaded.model.cfg.max_seq_len - prompt.shape[1]
+    if room <= 0:
+        raise UserError(f"the prompt is {prompt.shape[1]} tokens, the model's max_seq_len is "
+                        f"{loaded.model.cfg.max_seq_len}; shorten --prompt")
     g = torch.Generator(device=device).manual_seed(args.seed)
     out = generate(loaded.model, prompt, min(args.max_new_tokens, room), temperature=args.temperature,
                    top_k=args.top_k, top_p=args.top_p, eos_id=tok.eos_id, generator=g)
     new = [t for t in out[0, prompt.shape[1]:].tolist() if t != tok.eos_id]
     print(args.prompt + tok.decode(new))
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -2,8 +2,8 @@
 
 Config groups (all settable in YAML via `-c` and as dotted flags):
   model.*       LitLM: `preset` plus any ModelConfig field (`--model.placement post`)
-  optim.*       OptimConfig: the optimizer (`--optim.name muon --optim.options.momentum 0.9`, training/optimizers.py),
-                its parameter groups and LR schedule (`--optim.lr 3e-4`)
+  optim.*       OptimConfig: the optimizer (`--optim.name muon --optim.options.momentum 0.9`, training/optim/), its
+                parameter groups and LR schedule (`--optim.lr 3e-4`)
   data.*        TokenDataModule (`--data.path`, `--data.seq_len`, `--data.batch_size`)
   trainer.*     Lightning Trainer (`--trainer.max_steps`, `--trainer.devices`, `--trainer.strategy zero2`)
   checkpoint.*  StepCheckpoint (`--checkpoint.every_n_steps`, `--checkpoint.keep_last_n`)
@@ -12,7 +12,7 @@ Config groups (all settable in YAML via `-c` and as dotted flags):
   throughput.*  Throughput (`--throughput.peak_tflops`)
   eval.*        DownstreamEval: harness tasks in the loop (`--eval.tasks arc_easy --eval.every_n_steps 1000`)
   cluster.*     ClusterConfig: the collective timeout, Slurm's warning signal and requeueing (`--cluster.timeout_s
-                600 --cluster.signal USR1`; training/cluster.py)
+                600 --cluster.signal USR1`; training/cluster/)
   name, runs_dir, ckpt_path, branch_from, init_from, seed_everything, loggers (beside TensorBoard:
   training/loggers.py)
 
@@ -38,25 +38,30 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveCon
 
 from data.datamodule import TokenDataModule
 from data.prepare import DEFAULT_OUTPUT
-from training import cli_checks, cluster, compat, signals
+from training import cli_checks, compat
 from training.callbacks import NonFiniteGuard, RNGState, StepCheckpoint, Throughput, TrainingHealth
 from training.callbacks.downstream import DownstreamEval
 from training.callbacks.order import arrange
 from training.callbacks.progress import step_counting
 from training.callbacks.summary import log_closing_lines, with_norm_summary
-from training.callbacks.timeout import CollectiveTimeout
-from training.checkpointing import branch, init_from, layout, resume
-from training.checkpointing.layout import complete_checkpoints, step_of
-from training.checkpointing.manifest import Manifest
+from training.checkpointing import branch, init_from, resume
 from training.checkpointing.plan import RunPlan, plan
 from training.checkpointing.safe import SafeCheckpointIO, refuse_code, safe_torch_load
 from training.checkpointing.save import RunRecord
+from training.cluster.config import ClusterConfig, with_timeout
+from training.cluster.rank import is_first_rank
+from training.cluster.stop import StopOnSignal
+from training.cluster.timeout import CollectiveTimeout
+from training.distributed import is_deepspeed
 from training.errors import UserError, is_user_error
 from training.lit_module import lit_lm
 from training.loggers import LOGGERS, RecordLoggerRuns, run_loggers, start_wandb
 from training.optim import OptimConfig, renamed_option
-from training.run_lock import RunLock, acquire, is_first_rank
-from training.strategy import DeepSpeed, default_precision, is_deepspeed, resolve_strategy  # registers zeroN
+from training.precision import default_precision
+from training.run import layout
+from training.run.lock import RunLock, acquire
+from training.run.manifest import Manifest
+from training.strategy import DeepSpeed, resolve_strategy  # registers zeroN
 from training.subcommands import LIGHTNING_SUBCOMMANDS
 
 log = logging.getLogger(__name__)
@@ -159,7 +164,7 @@ class NormlabCLI(LightningCLI):
         parser.add_lightning_class_args(TrainingHealth, "metrics")
         parser.add_lightning_class_args(NonFiniteGuard, "guard")
         parser.add_lightning_class_args(DownstreamEval, "eval")  # harness tasks in the loop
-        parser.add_class_arguments(cluster.ClusterConfig, "cluster")
+        parser.add_class_arguments(ClusterConfig, "cluster")
 
     def before_instantiate_classes(self) -> None:
         # Which checkpoint to load, whether this fit starts a branch, what to record: decided once, here
@@ -168,7 +173,7 @@ class NormlabCLI(LightningCLI):
         cli_checks.check_trainer(self.subcommand, config.trainer, config.optim, warn=is_first_rank())
         check_name(config.name)
         root = config.trainer.default_root_dir
-        if is_first_rank():  # one writer per run directory (training/run_lock.py), before anything reads it
+        if is_first_rank():  # one writer per run directory (training/run/lock.py), before anything reads it
             self.lock = acquire(root, f"normlab {self.subcommand}")
         self.plan = plan(self.subcommand, config.ckpt_path, config.branch_from, root)
         # (The first rank only: the others may start after it wrote its own config.yaml.)
@@ -199,10 +204,7 @@ class NormlabCLI(LightningCLI):
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
         config = self.config_init[self.subcommand].trainer
         cluster_config = self.config_init[self.subcommand].cluster
-        kwargs["strategy"] = cluster.with_timeout(config.get("strategy"), cluster_config.timeout)
-        stop = signals.active()
-        if stop is not None:
-            stop.configure(cluster_config.signal, cluster_config.timeout)
+        kwargs["strategy"] = with_timeout(config.get("strategy"), cluster_config.timeout)
         extra = self.config_init[self.subcommand].loggers
         if extra and config.get("logger") not in (None, True):
             raise UserError(f"--loggers {' '.join(extra)} adds to the default TensorBoard logger, but "
@@ -218,7 +220,8 @@ class NormlabCLI(LightningCLI):
         # The run's own callbacks, each built complete with what the plan decided, then every callback in the order
         # training/callbacks/order.py states.
         init = self._init_from()
-        run = [RNGState(), self._step_checkpoint(trainer, init), CollectiveTimeout(cluster_config.timeout)]
+        run = [RNGState(), StopOnSignal(cluster_config), self._step_checkpoint(trainer, init),
+               CollectiveTimeout(cluster_config.timeout)]
         run += [branch.BranchSchedule(self.plan.parent.step)] if self.plan.parent is not None else []
         trainer.callbacks[:] = arrange(trainer.callbacks + run + ([init] if init is not None else []))
         return trainer
@@ -304,22 +307,6 @@ class NormlabCLI(LightningCLI):
 
     def after_fit(self) -> None:
         log_closing_lines(self.trainer, Path(self.trainer.default_root_dir) / layout.CONFIG_FILE)
-        self._requeue_if_warned()
-
-    def _requeue_if_warned(self) -> None:
-        """After the warning signal stopped the fit short of max_steps and saved its step: rank 0 asks Slurm to
-        requeue the job (cluster.requeue), which resumes from that checkpoint (`--ckpt_path last`)."""
-        stop, trainer = signals.active(), self.trainer
-        settings = self.config_init[self.subcommand].cluster
-        if stop is None or stop.stopped is None or not stop.stopped.warned or not settings.requeue:
-            return
-        if not trainer.is_global_zero or 0 < trainer.max_steps <= trainer.global_step:
-            return
-        newest = complete_checkpoints(trainer.default_root_dir)
-        if not newest or step_of(newest[-1]) != trainer.global_step:
-            log.warning("warned at step %d, which has no complete checkpoint (checkpoint.every_n_steps=0?): not "
-                        "requeued", trainer.global_step)
-            return
-        cluster.requeue(Path(trainer.default_root_dir), trainer.global_step, f"warned by SIG{settings.signal}",
-                        settings.max_requeues)
-
+        for callback in self.trainer.callbacks:
+            if isinstance(callback, StopOnSignal):
+                callback.requeue_if_warned(self.trainer)  # last: a requeue ends the job at once

@@ -1,8 +1,7 @@
 """LitLM: the LightningModule that trains a `model.Transformer` with next-token cross-entropy.
 
-Thin on purpose: the parameter groups and schedule live in `optim.py`, the optimizers in `optimizers.py`, DeepSpeed
-in `strategy.py`, checkpoints in `checkpointing/` and `callbacks/step_checkpoint.py`, throughput, RNG and the guard
-in `callbacks/`.
+Thin on purpose: the optimizer, its parameter groups and schedule live in `optim/`, DeepSpeed in `strategy.py`,
+checkpoints in `checkpointing/` and `callbacks/step_checkpoint.py`, throughput, RNG and the guard in `callbacks/`.
 
 The model's fields are `ModelConfig`'s own, read from the dataclass (`model_fields`): LightningCLI builds the
 module with `lit_lm`, whose signature offers each as `--model.<field>` (e.g. `--model.placement post`), each None
@@ -26,11 +25,11 @@ from torch import Tensor
 from model import ModelConfig, Transformer
 from model.optimize import compile_blocks, enable_activation_checkpointing
 from training.checkpointing.init_from import InitFrom
+from training.distributed import is_deepspeed
 from training.errors import UserError
 from training.eval.metrics import LossTotals, batch_loss, mixture, split_batch, tags
 from training.loggers import log_scalars
 from training.optim import OptimConfig, build_optimizer, check_group_names, param_groups
-from training.strategy import is_deepspeed
 
 
 def model_fields(init: Callable) -> Callable:

@@ -15,7 +15,7 @@ metrics draw (custom-scalar charts, the depth-profile image, gain histograms). `
 Only TensorBoard drops what a crashed run logged after its last checkpoint (`purge_step`); the others keep those
 points, so a resumed curve there can show a step twice.
 
-A run of a sweep (its directory is listed in a `sweep.json` above it: training/sweep/state.py) reads as one
+A run of a sweep (its directory is listed in a `sweep.json` above it: training/run/membership.py) reads as one
 experiment in each tracker:
 - TensorBoard: its cell's parameters and seed as an HParams session (the `hparams` plugin's experiment and session
   summaries, with every value each axis takes as its domain), the sweep's metric and `train/loss` as its metric
@@ -40,14 +40,15 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.loggers import CSVLogger, Logger, MLFlowLogger, TensorBoardLogger, WandbLogger
 from lightning.pytorch.utilities import rank_zero_only
 
-from training.checkpointing.layout import write_text_atomic
+from data.atomic import write_text_atomic
 from training.compat import require
 from training.errors import UserError
-from training.sweep.spec import format_value
-from training.sweep.state import SweepRun, locked, sweep_run_of
+from training.run.dir import RunDir
+from training.run.layout import LOGGERS_FILE
+from training.run.lock import locked
+from training.run.membership import SweepRun, format_value
 
 LOGGERS = ("csv", "wandb", "mlflow")  # `--loggers` choices, beside TensorBoard
-RUNS_FILE = "loggers.json"  # <run>/loggers.json: {"wandb": {"id": ...}, "mlflow": {"run_id": ...}}
 
 
 def run_logger(run_dir: str | Path, purge_step: int | None, sweep: SweepRun | None = None) -> TensorBoardLogger:
@@ -108,8 +109,8 @@ def run_loggers(run_dir: str | Path, purge_step: int | None, extra: list[str]) -
         raise UserError(f"--loggers {' '.join(extra)}: unknown logger {unknown[0]!r}; choose from "
                         f"{', '.join(LOGGERS)} (TensorBoard is always on)")
     path = Path(run_dir)
-    runs = read_runs(path)
-    sweep = sweep_run_of(path)
+    run = RunDir(path)
+    runs, sweep = run.logger_runs, run.sweep
     loggers: list[Logger] = [run_logger(path, purge_step, sweep)]
     for name in dict.fromkeys(extra):  # (each once, in the order given)
         if name == "csv":
@@ -169,12 +170,6 @@ def start_wandb(loggers: list[Logger]) -> None:
                                 "<run>/wandb/ only") from None
 
 
-def read_runs(run_dir: Path) -> dict[str, Any]:
-    """The logger runs recorded for `run_dir` ({} when none)."""
-    path = run_dir / RUNS_FILE
-    return json.loads(path.read_text()) if path.is_file() else {}
-
-
 class RecordLoggerRuns(Callback):
     """Records the W&B and MLflow run ids in `<run>/loggers.json` (rank 0, at setup), for the next start."""
 
@@ -188,9 +183,9 @@ class RecordLoggerRuns(Callback):
             elif isinstance(logger, MLFlowLogger):
                 runs["mlflow"] = {"run_id": logger.run_id, "experiment_id": logger.experiment_id}
         run_dir = Path(trainer.default_root_dir)
-        if runs and runs != read_runs(run_dir):
+        if runs and runs != RunDir(run_dir).logger_runs:
             run_dir.mkdir(parents=True, exist_ok=True)
-            write_text_atomic(run_dir / RUNS_FILE, json.dumps(runs, indent=2) + "\n")
+            write_text_atomic(run_dir / LOGGERS_FILE, json.dumps(runs, indent=2) + "\n")
 
 
 def log_scalars(trainer: Trainer, values: dict[str, float], step: int) -> None:

@@ -22,8 +22,8 @@ parameters, gradients, gradient all-reduce and optimizer, with matmuls in bf16/f
 mode, which casts every parameter (norm gains included) to the low dtype for forward and backward: a ZeRO run
 would then compute something else than its one-GPU pilot. So `DeepSpeed` writes DeepSpeed's `torch_autocast`
 section instead (no module's gradients reduced in the low dtype: `lower_precision_safe_modules: []`). A config
-that sets `bf16`, `fp16` or `torch_autocast` itself is used as written. `precision_record` is what the
-checkpoint manifest records.
+that sets `bf16`, `fp16` or `torch_autocast` itself is used as written. What the checkpoint manifest records
+of it: training/precision.py.
 
 Every DeepSpeed read of a checkpoint here (the engine's loader, the universal conversion and load, the ZeRO-3
 consolidation) runs weights-only: no code from a checkpoint runs (training/checkpointing/safe.py). Every write of a
@@ -42,19 +42,19 @@ from typing import Any
 
 import lightning
 import torch
-from lightning.pytorch.accelerators import CUDAAccelerator
-from lightning.pytorch.strategies import DeepSpeedStrategy, Strategy, StrategyRegistry
+from lightning.pytorch.strategies import StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 
 from training import compat
-from training.checkpointing.layout import DEEPSPEED_TAG
 from training.checkpointing.load import deepspeed_state_dict
-from training.checkpointing.manifest import MANIFEST, CheckpointError, Manifest
 from training.checkpointing.safe import no_code_from_checkpoints
 from training.checkpointing.universal import to_universal, verify_cache
 from training.compat import DeepSpeedStrategyPatches, repair_zero3_universal_load, restore_full_weights
-from training.distributed import together
-from training.errors import UserError
+from training.distributed import shared_failure, together
+from training.errors import CheckpointError, UserError
+from training.precision import AUTOCAST_DTYPES
+from training.run.layout import DEEPSPEED_TAG, MANIFEST
+from training.run.manifest import Manifest
 
 log = logging.getLogger(__name__)
 
@@ -76,11 +76,6 @@ def load_deepspeed_config(config: str | Path | dict) -> dict:
                                 f"give a JSON path or one of {available}")
     with open(path) as f:
         return json.load(f)
-
-
-def is_deepspeed(strategy: Strategy) -> bool:
-    """Whether checkpoints of `strategy` are DeepSpeed directories (vs. Lightning files)."""
-    return isinstance(strategy, DeepSpeedStrategy)
 
 
 class DeepSpeed(DeepSpeedStrategyPatches):
@@ -198,16 +193,7 @@ class DeepSpeed(DeepSpeedStrategyPatches):
     def _on_rank_zero(self, fn: Callable[[], Any]) -> Any:
         """`fn()` on rank 0 only; its result there, None elsewhere. If it fails, every rank raises its error:
         a rank left waiting in the next collective for a rank 0 that raised would wait forever."""
-        result = error = None
-        if self.is_global_zero:
-            try:
-                result = fn()
-            except Exception as err:  # any failure must reach the other ranks
-                error = (isinstance(err, CheckpointError), str(err))
-        error = self.broadcast(error)
-        if error is not None:  # a refused checkpoint stays a one-line CheckpointError on every rank
-            raise (CheckpointError if error[0] else RuntimeError)(error[1])
-        return result
+        return shared_failure(fn, lambda error: [self.broadcast(error)], run=self.is_global_zero)
 
     def backward(self, closure_loss: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
         # Lightning has already divided the loss by accumulate_grad_batches; DeepSpeed's engine.backward would
@@ -225,9 +211,6 @@ class DeepSpeed(DeepSpeedStrategyPatches):
 DeepSpeed.register_strategies(StrategyRegistry)
 
 
-AUTOCAST_DTYPES = {"bf16-mixed": "bfloat16", "16-mixed": "float16"}
-
-
 def _get(config: dict[str, Any], dotted: str) -> Any:
     """A DeepSpeed config value by its dotted key (None when absent)."""
     for key in dotted.split("."):
@@ -243,30 +226,6 @@ def autocast_config(config: dict, precision: str) -> None:
         return
     config["torch_autocast"] = {"enabled": True, "dtype": dtype, "lower_precision_safe_modules": []}
     config["bf16" if dtype == "bfloat16" else "fp16"] = {"enabled": False}  # (Lightning fills in absent ones)
-
-
-def precision_record(trainer: Any, model: torch.nn.Module) -> dict[str, str | None]:
-    """What the manifest records about numerics: Lightning's precision, the dtype the weights are stored in
-    during forward/backward, and the autocast dtype (None: no autocast)."""
-    precision = str(trainer.precision)
-    weights = next((p.dtype for p in model.parameters()), torch.float32)
-    autocast = None
-    if is_deepspeed(trainer.strategy):
-        engine = trainer.strategy.deepspeed_engine
-        autocast = engine.torch_autocast_dtype() if engine.torch_autocast_enabled() else None
-    elif precision in AUTOCAST_DTYPES:  # Lightning's MixedPrecision plugin: torch.autocast in every forward
-        autocast = torch.bfloat16 if precision.startswith("bf16") else torch.float16
-    return {"precision": precision, "weights": str(weights).removeprefix("torch."),
-            "autocast": str(autocast).removeprefix("torch.") if autocast is not None else None}
-
-
-def default_precision(accelerator: str | Any) -> str:
-    """bf16 mixed precision on GPUs (fp16 on GPUs without bf16); fp32 elsewhere — bf16 was ~45x slower than
-    fp32 on a CPU without bf16 matrix units, and DeepSpeed refuses fp16 on CPU."""
-    wants_gpu = accelerator in ("auto", "gpu", "cuda") or isinstance(accelerator, CUDAAccelerator)
-    if not (wants_gpu and torch.cuda.is_available()):
-        return "32-true"
-    return "bf16-mixed" if torch.cuda.is_bf16_supported() else "16-mixed"
 
 
 def resolve_strategy(strategy: Any, devices: Any, num_nodes: int) -> Any:

@@ -123,6 +123,8 @@ def _patches(point: str, step: int | None, rank: int | None) -> list:
     from training.callbacks.step_checkpoint import StepCheckpoint
     from training.checkpointing import save
     from training.checkpointing.safe import SafeCheckpointIO
+    from training.run import manifest
+    from training.run.layout import MANIFEST
 
     def armed(at_step: int | None, default_rank: int | None = None) -> bool:
         want = rank if rank is not None else default_rank
@@ -156,14 +158,14 @@ def _patches(point: str, step: int | None, rank: int | None) -> list:
         return [mock.patch.object(SafeCheckpointIO, "save_checkpoint",  # model.ckpt's writer in every fit
                                   failing(SafeCheckpointIO.save_checkpoint, "checkpoint")),
                 mock.patch.object(TorchCheckpointEngine, "save", failing(TorchCheckpointEngine.save, "state_dict"))]
-    if point == "enospc_manifest":
-        write_text = save.write_text_atomic
+    if point == "enospc_manifest":  # Manifest.write, the save's last write
+        write_text = manifest.write_text_atomic
 
         def write(path, text):
-            if Path(path).name == save.MANIFEST and armed(_step_of(path), 0):
+            if Path(path).name == MANIFEST and armed(_step_of(path), 0):
                 return Path("/dev/full").write_text(text)
             return write_text(path, text)
-        return [mock.patch.object(save, "write_text_atomic", write)]
+        return [mock.patch.object(manifest, "write_text_atomic", write)]
     if point == "blind_guard":
         return [mock.patch.object(guard.NonFiniteGuard, "_nonfinite_grads", lambda *args: [])]
     raise ValueError(f"unknown test fault {point!r}")

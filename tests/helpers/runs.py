@@ -40,3 +40,10 @@ def table_value(output: str, tag: str) -> float:
     found = re.findall(rf"{re.escape(tag)}\W+([0-9][0-9.e+-]*)", output)
     assert len(found) == 1, (tag, output[-3000:])
     return float(found[0])
+
+
+def read_manifest(ckpt_dir: Path) -> dict:
+    """A checkpoint's manifest.json as plain JSON, as a tool would read it (normlab reads it with `Manifest.read`)."""
+    from training.run.manifest import Manifest
+
+    return Manifest.read(ckpt_dir).to_dict()

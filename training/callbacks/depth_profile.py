@@ -14,13 +14,15 @@ import re
 
 import numpy as np
 
+from training import health_tags as T
+
 # Panel title → the tag stems drawn in it (one line each). Linear axes: at the depths normlab trains, the
 # profiles span about a decade, where a log axis would be left with one or no labelled tick.
 PANELS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("stream RMS entering block", ("resid/rms",)),
-    ("update RMS / stream RMS", ("resid/update_ratio/attn", "resid/update_ratio/mlp")),
-    ("max attention logit", ("attn/max_logit",)),
-    ("sink mass (key 0)", ("attn/sink_mass",)),
+    ("stream RMS entering block", (T.RESID_RMS,)),
+    ("update RMS / stream RMS", tuple(f"{T.UPDATE_RATIO}/{s}" for s in T.SUBLAYERS)),
+    ("max attention logit", (T.ATTN_MAX_LOGIT,)),
+    ("sink mass (key 0)", (T.SINK_MASS,)),
 )
 STEMS = tuple(stem for _, stems in PANELS for stem in stems)
 _LAYER_TAG = re.compile(r"^(.*)/L(\d+)$")

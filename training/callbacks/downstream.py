@@ -25,8 +25,8 @@ from typing import Any
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 
-from training import signals
-from training.errors import UserError
+from training.cluster import signals
+from training.eval import require_harness
 from training.loggers import log_scalars
 
 log = logging.getLogger(__name__)
@@ -63,18 +63,11 @@ class DownstreamEval(Callback):
         that a refusal leaves no run directory behind."""
         if not self.enabled or self._task_set is not None:
             return
-        try:
-            from training.eval.tasks import TaskSet
-        except ModuleNotFoundError as err:
-            if (err.name or "").split(".")[0] != "lm_eval":
-                raise
-            raise UserError('eval.tasks needs lm-evaluation-harness, which is not installed: '
-                            'pip install -e ".[eval]"') from err
-        try:
-            self._task_set = TaskSet.load(self.tasks, self.num_fewshot, self.limit, self.include_path,
-                                          loglikelihood_only=True)
-        except ValueError as err:
-            raise UserError(str(err)) from err
+        require_harness("eval.tasks")
+        from training.eval.tasks import TaskSet
+
+        self._task_set = TaskSet.load(self.tasks, self.num_fewshot, self.limit, self.include_path,
+                                      loglikelihood_only=True)
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
         step = trainer.global_step

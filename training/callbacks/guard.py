@@ -51,8 +51,8 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from model.names import layer_index
 from training.callbacks.spikes import SpikeRecorder, mean_and_std
 from training.compat import zero_optimizer_internal
+from training.distributed import full_grad, is_deepspeed
 from training.loggers import log_scalars
-from training.strategy import is_deepspeed
 
 log = logging.getLogger(__name__)
 
@@ -234,19 +234,15 @@ class NonFiniteGuard(Callback):
         return loss_ok and self.skip_spike_z is not None and z > self.skip_spike_z
 
     def _nonfinite_grads(self, trainer: Trainer, pl_module: LightningModule, deepspeed: bool) -> list[str]:
-        grad_of = lambda p: p.grad  # noqa: E731
         if deepspeed:
-            from deepspeed.utils import safe_get_full_grad
-
             # The ZeRO optimizer's own overflow test reads each rank's gradient partition and all-reduces one
             # flag: cheap. Only when it fires are the full gradients gathered, to name the first bad layer.
             has_overflow = zero_optimizer_internal(trainer.strategy.deepspeed_engine.optimizer, "has_overflow")
             if has_overflow is not None and not has_overflow(partition_gradients=True):
                 return []
-            grad_of = safe_get_full_grad
         bad = []
         for name, p in pl_module.model.named_parameters():
-            g = grad_of(p)  # under ZeRO: every rank, every parameter, same order (a collective)
+            g = full_grad(p, deepspeed)  # under ZeRO: every rank, every parameter, same order (a collective)
             if g is not None and not torch.isfinite(g).all():
                 bad.append(name)
         return bad

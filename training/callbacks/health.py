@@ -19,6 +19,7 @@ from a checkpoint written without it draws the current step only and says so in 
 from __future__ import annotations
 
 import logging
+from functools import partial
 from typing import Any
 
 import torch
@@ -26,43 +27,44 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 
 from model.names import split_layer
 from model.probes import gain_stats, gain_tags, grad_norms, record
+from training import health_tags as T
 from training.callbacks import depth_profile
-from training.distributed import full_param
+from training.distributed import full_grad, full_param, is_deepspeed
+from training.health_tags import layer_pattern
 from training.loggers import log_scalars, tensorboard
-from training.strategy import is_deepspeed
 
 log = logging.getLogger(__name__)
 
-# Chart title → (regex over tags); each chart shows every layer of one metric.
+# Chart title → (regex over tags); each chart shows every layer of one metric (training/health_tags.py).
 LAYOUT = {
     "Residual growth": {
-        "stream RMS entering block": r"resid/rms/L\d+",
-        "attention update / stream": r"resid/update_ratio/attn/L\d+",
-        "MLP update / stream": r"resid/update_ratio/mlp/L\d+",
-        "attention reads (RMS after norm)": r"resid/read_rms/attn/L\d+",
-        "final-norm input RMS": r"resid/final_in",
+        "stream RMS entering block": layer_pattern(T.RESID_RMS),
+        "attention update / stream": layer_pattern(f"{T.UPDATE_RATIO}/attn"),
+        "MLP update / stream": layer_pattern(f"{T.UPDATE_RATIO}/mlp"),
+        "attention reads (RMS after norm)": layer_pattern(f"{T.READ_RMS}/attn"),
+        "final-norm input RMS": T.FINAL_IN,
     },
     "Softmax saturation": {
-        "max attention probability (mean over heads)": r"attn/max_prob/L\d+",
-        "normalized entropy": r"attn/entropy/L\d+",
-        "saturated fraction": r"attn/saturated_frac/L\d+",
-        "max pre-softmax logit": r"attn/max_logit/L\d+",
-        "max logit, worst head": r"attn/max_logit_worst/L\d+",
+        "max attention probability (mean over heads)": layer_pattern(T.ATTN_MAX_PROB),
+        "normalized entropy": layer_pattern(T.ATTN_ENTROPY),
+        "saturated fraction": layer_pattern(T.ATTN_SATURATED),
+        "max pre-softmax logit": layer_pattern(T.ATTN_MAX_LOGIT),
+        "max logit, worst head": layer_pattern(T.ATTN_MAX_LOGIT + T.WORST),
     },
     "Gradient flow": {
-        "gradient norm per block": r"grad/norm/L\d+",
-        "global gradient norm": r"grad/global",
-        "parameter norm per block": r"param/norm/L\d+",
-        "QK-norm gains (mean)": r"qk_gain/(q|k)/mean/L\d+",
+        "gradient norm per block": layer_pattern(T.GRAD_NORM),
+        "global gradient norm": T.GRAD_GLOBAL,
+        "parameter norm per block": layer_pattern(T.PARAM_NORM),
+        "QK-norm gains (mean)": rf"{T.QK_GAIN}/(q|k)/mean/L\d+",
         "skipped steps (guard)": r"guard/skipped_steps",
     },
     "Outliers": {
-        "stream max |x| / RMS (massive activations)": r"outlier/max_over_rms/(L\d+|final_in)",
-        "stream excess kurtosis (per token, over features)": r"outlier/kurtosis/(L\d+|final_in)",
-        "attention sink: probability on key 0 (mean over heads)": r"attn/sink_mass/L\d+",
-        "sink mass, largest head": r"attn/sink_mass_worst/L\d+",
-        "norm gains: mean |γ|": r"norm/gain_mean/.+",
-        "norm gains: max |γ|": r"norm/gain_max/.+",
+        "stream max |x| / RMS (massive activations)": rf"{T.MAX_OVER_RMS}/(L\d+|final_in)",
+        "stream excess kurtosis (per token, over features)": rf"{T.KURTOSIS}/(L\d+|final_in)",
+        "attention sink: probability on key 0 (mean over heads)": layer_pattern(T.SINK_MASS),
+        "sink mass, largest head": layer_pattern(T.SINK_MASS + T.WORST),
+        "norm gains: mean |γ|": rf"{T.GAIN_MEAN}/.+",
+        "norm gains: max |γ|": rf"{T.GAIN_MAX}/.+",
     },
 }
 PROFILE_TAG = "profile/depth"  # the depth-profile image
@@ -118,12 +120,7 @@ class TrainingHealth(Callback):
         # gradients exist only at the accumulation boundary.
         if deepspeed and not trainer.strategy.deepspeed_engine.is_gradient_accumulation_boundary():
             return
-        grad_of = None
-        if deepspeed:
-            from deepspeed.utils import safe_get_full_grad
-
-            grad_of = safe_get_full_grad
-        self._values.update(grad_norms(model, grad_of) if grad_of else grad_norms(model))
+        self._values.update(grad_norms(model, partial(full_grad, deepspeed=deepspeed)))
         self._values.update(self._param_stats(model, deepspeed))
         log_scalars(trainer, self._values, step)
         if step == 0:
@@ -145,13 +142,13 @@ class TrainingHealth(Callback):
             block = split_layer(name)
             if block:
                 _, index, rest = block
-                key = f"param/norm/L{index}"
+                key = T.layer(T.PARAM_NORM, index)
                 sq[key] = sq.get(key, 0) + full.pow(2).sum()
                 if rest in ("attn.q_norm.weight", "attn.k_norm.weight"):
-                    tag = f"{rest.removeprefix('attn.')[0]}/%s/L{index}"  # q or k
-                    out.update({f"qk_gain/{tag % 'mean'}": full.mean().item(),
-                                f"qk_gain/{tag % 'max'}": full.max().item(),
-                                f"qk_gain/{tag % 'min'}": full.min().item()})
+                    qk = f"{T.QK_GAIN}/{rest.removeprefix('attn.')[0]}"  # q or k
+                    out.update({T.layer(qk, index, "mean"): full.mean().item(),
+                                T.layer(qk, index, "max"): full.max().item(),
+                                T.layer(qk, index, "min"): full.min().item()})
         out.update({k: v.sqrt().item() for k, v in sq.items()})
         return out
 

@@ -20,6 +20,7 @@ from training.callbacks.rng import RNGState
 from training.callbacks.step_checkpoint import StepCheckpoint
 from training.callbacks.throughput import Throughput
 from training.checkpointing.branch import BranchSchedule
+from training.cluster.stop import StopOnSignal
 from training.loggers import RecordLoggerRuns
 
 REST = None  # the row of every callback no other row names
@@ -36,6 +37,9 @@ ORDER: tuple[tuple[type[Callback] | None, str], ...] = (
     (NonFiniteGuard, "on_train_batch_end before the checkpoint's: the step's verdict is settled (an applied update "
                      "resets the skips in a row, DeepSpeed's own skips are counted, a non-finite update DeepSpeed "
                      "applied stops the run) before the step is saved"),
+    (StopOnSignal, "on_train_batch_end right before the checkpoint's: the ranks agree whether to stop after this "
+                   "step, so the checkpoint saves it as the fit's last; on_train_end first: its stop line follows the "
+                   "save"),
     (StepCheckpoint, "saves the step once every callback above has updated the state the checkpoint holds"),
     (Throughput, "on_train_batch_end after the save: a step that saves is timed with its save (tokens_per_sec is "
                  "training's pace, checkpoints included)"),

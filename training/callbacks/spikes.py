@@ -36,25 +36,24 @@ import json
 import logging
 import math
 import os
-import re
 import shutil
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
 from lightning.pytorch import LightningModule, Trainer
 
+from data.atomic import fsync_path
 from model.names import layer_index
 from model.probes import grad_norms
-from training.checkpointing.layout import TMP_PREFIX, fsync_path, step_dirname
-from training.distributed import full_param, gather_objects
-from training.strategy import is_deepspeed
+from training import health_tags as T
+from training.distributed import full_grad, full_param, gather_objects, is_deepspeed
+from training.run.layout import SPIKES_DIR, TMP_PREFIX, step_dirname, step_of_name
 
 log = logging.getLogger(__name__)
 
-SPIKES_DIR = "spikes"
 BATCH_FILE, SPIKE_FILE = "batch.safetensors", "spike.json"
-_STEP_DIR = re.compile(r"^step-(\d{8})$")
 
 
 def mean_and_std(values: list[float]) -> tuple[float, float]:
@@ -90,7 +89,7 @@ def dumps_in(run_dir: str | Path, up_to_step: int) -> int:
     root = Path(run_dir) / SPIKES_DIR
     if not root.is_dir():
         return 0
-    return sum(1 for p in root.iterdir() if (m := _STEP_DIR.match(p.name)) and int(m.group(1)) <= up_to_step)
+    return sum(1 for p in root.iterdir() if (step := step_of_name(p.name)) is not None and step <= up_to_step)
 
 
 class SpikeRecorder:
@@ -132,12 +131,7 @@ class SpikeRecorder:
         """On every rank, before the optimizer step of a spiking update: gradients, weights, batch."""
         deepspeed = is_deepspeed(trainer.strategy)
         self.dumps += 1
-        grad_of = None
-        if deepspeed:
-            from deepspeed.utils import safe_get_full_grad
-
-            grad_of = safe_get_full_grad
-        grads = grad_norms(pl_module.model, grad_of) if grad_of else grad_norms(pl_module.model)
+        grads = grad_norms(pl_module.model, partial(full_grad, deepspeed=deepspeed))
         # per key, [ranks, accumulate, B, T+1]: every rank's micro-batches
         arrays = {key: torch.stack(gather_objects(torch.stack([b[key] for b in self._batches]).cpu()))
                   for key in self._batches[0]}
@@ -151,7 +145,7 @@ class SpikeRecorder:
                 "window": {"size": len(window), "mean": mean * accumulate, "std": std * accumulate},
                 "lr": trainer.optimizers[0].param_groups[0]["lr"], "tokens_seen": trainer.datamodule.tokens_seen(),
                 "world_size": trainer.world_size, "accumulate_grad_batches": accumulate,
-                "grad_norm": {k.removeprefix("grad/norm/").replace("grad/global", "global"): v
+                "grad_norm": {k.removeprefix(f"{T.GRAD_NORM}/").replace(T.GRAD_GLOBAL, "global"): v
                               for k, v in grads.items()},
             },
         }

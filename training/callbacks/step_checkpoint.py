@@ -1,12 +1,12 @@
 """`StepCheckpoint`: when to save a crash-safe checkpoint — every N optimizer steps, the step a fit ends at,
 on SIGTERM / Ctrl-C — and which old ones to remove (`keep_last_n`). How one is saved atomically, with a failing
 rank's error held until every rank is through the save: `training/checkpointing/save.py` (`save_step`); the
-layout: `training/checkpointing/layout.py`.
+layout: `training/run/layout.py`.
 
 Every fit that ends normally also saves the step it ended at (unless that step is saved already): at
 `max_steps`, when another callback stops it (`trainer.should_stop`), and on SIGTERM, Ctrl-C or the cluster's
-warning signal, after which the ranks agree to stop after the same step (training/signals.py) and the run exits
-cleanly once it is saved.
+warning signal, after which the ranks agree to stop after the same step (`StopOnSignal`, training/cluster/stop.py,
+the callback right before this one) and the run exits cleanly once it is saved.
 Old checkpoints are purged only after a new one is complete.
 """
 from __future__ import annotations
@@ -19,19 +19,12 @@ from typing import Any
 
 from lightning.pytorch import Callback, LightningModule, Trainer
 
-from training import signals
-from training.checkpointing.layout import (
-    MANIFEST,
-    CheckpointError,
-    ckpt_dir_of,
-    complete_checkpoints,
-    git_revision,
-    incomplete_checkpoints,
-    move_aside,
-)
 from training.checkpointing.resume import check_resume
-from training.checkpointing.save import RunRecord, save_step
-from training.compat import own_signals, require
+from training.checkpointing.save import RunRecord, move_aside, save_step
+from training.cluster.stop import StopOnSignal
+from training.errors import CheckpointError
+from training.run.layout import MANIFEST, ckpt_dir_of, complete_checkpoints, incomplete_checkpoints
+from training.run.manifest import git_revision
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +32,8 @@ log = logging.getLogger(__name__)
 class StepCheckpoint(Callback):
     """Saves every `every_n_steps` optimizer steps into `<run dir>/checkpoints/step-XXXXXXXX/`, atomically (see
     the module docstring), keeping the newest `keep_last_n` complete checkpoints (None: all), and the step the
-    fit ends at — also on SIGTERM / Ctrl-C. `every_n_steps=0` disables every checkpoint, the final one too.
+    fit ends at — also the step a `StopOnSignal` among the trainer's callbacks stopped it at (SIGTERM, Ctrl-C, the
+    warning signal). `every_n_steps=0` disables every checkpoint, the final one too.
 
     The run directory is the trainer's `default_root_dir` (the CLI sets it to `runs/<name>`). The run's own state
     comes with the constructor (the CLI builds this callback with it; Lightning only learns the checkpoint path
@@ -60,9 +54,7 @@ class StepCheckpoint(Callback):
         self.resume_from, self.record = resume_from, record or RunRecord()
         self._last_saved = -1
         self._boundary = -1  # the global step of the last update boundary seen
-        self._signals: signals.StopSignals | None = None  # the process's stop handlers (training/signals.py)
-        self._max_steps: int | None = None  # the trainer's, while a stop has lowered it to the stop's step
-        self._own_handlers = False  # installed here (no `normlab fit` around this fit): restored at its end
+        self._stop: StopOnSignal | None = None  # the trainer's, if any: whether the ranks stop after this step
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if stage != "fit":
@@ -74,13 +66,7 @@ class StepCheckpoint(Callback):
         if mine != theirs:
             raise CheckpointError(f"rank {trainer.global_rank} resolved the checkpoint {mine}, rank 0 {theirs}: "
                                   "the ranks do not see the same checkpoints directory (use shared storage)")
-        # normlab's stop handlers, not Lightning's (see training/signals.py): in place before Lightning would
-        # install its own, which it does after the setup hooks.
-        own_signals(trainer)
-        self._signals = signals.active()
-        self._own_handlers = self._signals is None
-        if self._own_handlers:
-            self._signals = signals.install()
+        self._stop = next((c for c in trainer.callbacks if isinstance(c, StopOnSignal)), None)
         if trainer.is_global_zero:
             self.record = dataclasses.replace(self.record, git_revision=git_revision())
             for path in incomplete_checkpoints(trainer.default_root_dir):
@@ -91,9 +77,6 @@ class StepCheckpoint(Callback):
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._last_saved = self._boundary = trainer.global_step  # never re-save the step a run resumed from
-        if trainer.is_global_zero and getattr(trainer.strategy.launcher, "kill", None) is not None:
-            self._signals.forward = trainer.strategy.launcher.kill  # the ranks Lightning spawned stop with this one
-        self._signals.connect(trainer.world_size)  # a collective: every rank
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
         step = trainer.global_step
@@ -101,47 +84,17 @@ class StepCheckpoint(Callback):
         if step == self._boundary:
             return
         self._boundary = step
-        stop = self._signals.agreed(trainer.world_size).stop  # a collective, at every update boundary of every rank
-        last = stop or 0 < trainer.max_steps <= step
+        stopping = self._stop is not None and self._stop.decision.stop  # agreed at this boundary, just before
+        last = stopping or 0 < trainer.max_steps <= step
         if self.every_n_steps and (last or step % self.every_n_steps == 0) and step != self._last_saved:
             path = self.save(trainer, pl_module)
             if last:
                 self._announce(path, trainer)
-        if stop:
-            # Ends the fit after this step, as max_steps does (trainer.should_stop would run one more validation).
-            require("lightning.pytorch.loops.training_epoch_loop:_TrainingEpochLoop.max_steps")
-            self._max_steps = trainer.fit_loop.epoch_loop.max_steps  # given back when the fit has ended
-            trainer.fit_loop.epoch_loop.max_steps = step
-            if trainer.is_global_zero:
-                self._log_stop(step)
-
-    def _log_stop(self, step: int) -> None:
-        """Which signal stopped the fit, and how long after it the step was saved: what a cluster's warning time
-        (`#SBATCH --signal=USR1@<seconds>`) must exceed."""
-        received = ", ".join(self._signals.received) or "another rank's signal"
-        since = self._signals.since_first()
-        after = "" if since is None else f"; saved {since:.1f} s after the signal"
-        log.warning("stopping after step %d on %s%s", step, received, after)
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        if self._signals is not None:
-            self._signals.disconnect()  # every rank ends here: nothing of the flags' group left in flight
-        self._release_signals()
-        if self._max_steps is not None:  # after a stop: what comes after the fit reads the run's own max_steps
-            trainer.fit_loop.epoch_loop.max_steps, self._max_steps = self._max_steps, None
         # A fit stopped by another callback (trainer.should_stop) ends between the boundaries saved above.
         if self.every_n_steps and trainer.global_step != self._last_saved:
             self._announce(self.save(trainer, pl_module), trainer)
-
-    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
-        self._release_signals()
-
-    def _release_signals(self) -> None:
-        if self._signals is not None:
-            self._signals.forward = None
-        if self._own_handlers:
-            signals.uninstall()
-            self._own_handlers = False
 
     def _announce(self, path: Path, trainer: Trainer) -> None:
         if trainer.is_global_zero:

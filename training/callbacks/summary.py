@@ -24,7 +24,7 @@ from lightning.pytorch.callbacks import Callback, ModelSummary, RichModelSummary
 from lightning.pytorch.utilities.model_summary.model_summary import get_human_readable_count
 
 from model import ModelConfig
-from training.checkpointing import layout
+from training.run import layout
 
 log = logging.getLogger(__name__)
 

@@ -28,10 +28,11 @@ from typing import Any
 
 from lightning.pytorch import Callback, LightningModule, Trainer
 
-from training.checkpointing.layout import LIGHTNING_FILE, MODEL_CONFIG_FILE, load_path
-from training.checkpointing.manifest import MANIFEST, CheckpointError, Manifest, read_verified
+from training.errors import CheckpointError
 from training.optim import restart_schedule
-from training.rundir import RunDir
+from training.run.dir import RunDir
+from training.run.layout import LIGHTNING_FILE, MANIFEST, MODEL_CONFIG_FILE
+from training.run.manifest import Manifest, load_path, read_verified
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +52,7 @@ class Parent:
 
     @property
     def load_path(self) -> str:
-        """What `Trainer.fit(ckpt_path=...)` takes (see `checkpoint.load_path`)."""
+        """What `Trainer.fit(ckpt_path=...)` takes (see training/run/manifest.py `load_path`)."""
         return str(load_path(self.ckpt_dir))
 
     def record(self) -> dict[str, Any]:

@@ -36,11 +36,12 @@ from safetensors import SafetensorError
 
 from data.tokenizer import sha256_file
 from model import ModelConfig
-from training.checkpointing.layout import MANIFEST, CheckpointError, Manifest, config_hash
 from training.checkpointing.load import NORMLAB_EXPORT_CONFIG, load_checkpoint
-from training.errors import UserError
-from training.remote_code import HF_READ, refuse_custom_code
-from training.rundir import model_config
+from training.checkpointing.remote_code import HF_READ, refuse_custom_code
+from training.errors import CheckpointError, UserError
+from training.run.dir import model_config
+from training.run.layout import MANIFEST
+from training.run.manifest import Manifest, config_hash
 
 log = logging.getLogger(__name__)
 

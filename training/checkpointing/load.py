@@ -24,11 +24,12 @@ from typing import Any
 import torch
 
 from model import ModelConfig, Transformer
-from training.checkpointing.layout import LIGHTNING_FILE, MODEL_CONFIG_FILE
-from training.checkpointing.manifest import MANIFEST, CheckpointError, read_verified
+from training.checkpointing.remote_code import HF_READ, refuse_custom_code
 from training.checkpointing.safe import no_code_from_checkpoints, refusal, safe_torch_load
-from training.remote_code import HF_READ, refuse_custom_code
-from training.rundir import RunDir, data_path, model_config, step_config, tokenizer_of
+from training.errors import CheckpointError
+from training.run.dir import RunDir, data_path, model_config, step_config, tokenizer_of
+from training.run.layout import LIGHTNING_FILE, MANIFEST, MODEL_CONFIG_FILE
+from training.run.manifest import read_verified
 
 log = logging.getLogger(__name__)
 

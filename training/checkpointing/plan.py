@@ -17,14 +17,18 @@ Resumed checkpoints keep the lineage their manifest records (`branched_from`); a
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from training.checkpointing import branch, layout
-from training.checkpointing.manifest import Manifest
+from training.checkpointing import branch
 from training.checkpointing.resume import check_fresh_run
-from training.errors import UserError
+from training.errors import CheckpointError, UserError
+from training.run import layout
+from training.run.manifest import Manifest, load_path
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -47,7 +51,7 @@ def plan(subcommand: str, ckpt_path: str | None, branch_from: str | None, run_di
         if parent is not None:  # a new run: from the parent's checkpoint, into a fresh run directory
             check_fresh_run(run_dir)
             return RunPlan(parent.load_path, ckpt_path, parent.step, parent, purge_step=0, lineage=parent.record())
-    load, step = layout.resolve(ckpt_path, run_dir)
+    load, step = resolve(ckpt_path, run_dir)
     if subcommand != "fit":
         return RunPlan(load, load, step)
     if ckpt_path is None:
@@ -76,3 +80,47 @@ def _branch_parent(subcommand: str, ckpt_path: str | None, branch_from: str, run
         branch.check_lineage(branch_from, Manifest.read(own[-1]), run_dir)
         return None
     return branch.resolve_parent(branch_from)
+
+
+def resolve(ckpt_path: str | None, run_dir: str | Path) -> tuple[str | None, int | None]:
+    """`--ckpt_path` → (the path to hand to `Trainer.fit`, the step it resumes at).
+
+    `last`: the newest complete checkpoint of this run, or (None, None) when there is none yet — so the same
+    command starts a job and resumes it after a preemption. A normlab checkpoint directory: its load path.
+    Anything else (a Lightning file, a foreign DeepSpeed directory) is passed through unchanged.
+    Every rank resolves on its own, before the processes connect; nothing writes to the checkpoints directory
+    until they have (see `StepCheckpoint.setup`, which also checks that all ranks chose the same checkpoint).
+    """
+    if ckpt_path is None:
+        return None, None
+    if ckpt_path == "last":
+        for path in layout.incomplete_checkpoints(run_dir):
+            log.warning("--ckpt_path last: ignoring the incomplete checkpoint %s (an interrupted save)", path)
+        found = layout.complete_checkpoints(run_dir)
+        if not found:
+            log.info("--ckpt_path last: no complete checkpoint in %s yet; starting from scratch",
+                     layout.checkpoints_dir(run_dir))
+            return None, None
+        ckpt_dir = found[-1]
+    else:
+        ckpt_dir = Path(ckpt_path)
+        if not ckpt_dir.exists():
+            raise CheckpointError(f"--ckpt_path {ckpt_path}: no such checkpoint; give a step directory of a run "
+                                  "(<run>/checkpoints/step-XXXXXXXX) or `last`")
+        if not (ckpt_dir / layout.MANIFEST).is_file():
+            _check_foreign(ckpt_path, ckpt_dir)
+            return ckpt_path, None
+    return str(load_path(ckpt_dir)), Manifest.read(ckpt_dir).step
+
+
+def _check_foreign(ckpt_path: str, ckpt_dir: Path) -> None:
+    """A `--ckpt_path` without a manifest must be a foreign checkpoint (a Lightning file, a DeepSpeed directory),
+    not a normlab step directory whose save was interrupted, nor a directory that holds no checkpoint."""
+    if ckpt_dir.is_dir() and layout.step_of_name(ckpt_dir.name) is not None:
+        raise CheckpointError(f"--ckpt_path {ckpt_path}: no {layout.MANIFEST}, the save was interrupted; "
+                              "resume from an earlier checkpoint (or --ckpt_path last)")
+    if ckpt_dir.is_dir() and not (ckpt_dir / "latest").is_file():  # nor a DeepSpeed directory
+        inside = layout.complete_checkpoints(ckpt_dir.parent) if ckpt_dir.name == layout.CHECKPOINTS_DIR else []
+        hint = f" (the newest complete one here: {inside[-1]})" if inside else ""
+        raise CheckpointError(f"--ckpt_path {ckpt_path}: a directory that is no checkpoint (no {layout.MANIFEST}, "
+                              f"no DeepSpeed 'latest'); give a step directory{hint} or `last`")

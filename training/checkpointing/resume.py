@@ -21,18 +21,12 @@ from typing import Any
 
 from lightning.pytorch import LightningModule, Trainer
 
-from training import rundir
-from training.checkpointing.layout import (
-    CONFIG_FILE,
-    MODEL_CONFIG_FILE,
-    checkpoints_dir,
-    complete_checkpoints,
-    config_hash,
-    file_hash,
-)
-from training.checkpointing.manifest import CheckpointError, Manifest, read_verified
 from training.checkpointing.safe import refuse_code
 from training.distributed import together
+from training.errors import CheckpointError
+from training.run.dir import model_config as saved_model_config
+from training.run.layout import CONFIG_FILE, MODEL_CONFIG_FILE, checkpoints_dir, complete_checkpoints
+from training.run.manifest import Manifest, config_hash, file_hash, read_verified
 
 log = logging.getLogger(__name__)
 
@@ -131,7 +125,7 @@ def check_settings(ckpt_dir: Path, model_config: dict[str, Any], tokenizer_path:
     only the files it reads are verified (`rank_files`); None: every file. Returns the manifest."""
     manifest = read_verified(ckpt_dir, None if reader is None else lambda m: rank_files(m, *reader))
     if (ckpt_dir / MODEL_CONFIG_FILE).is_file():
-        saved = _as_today(rundir.model_config(ckpt_dir))
+        saved = _as_today(saved_model_config(ckpt_dir))
         if config_hash(saved) != config_hash(model_config):
             diff = ", ".join(f"{k}: {saved.get(k)!r} → {model_config.get(k)!r}"
                              for k in sorted(set(saved) | set(model_config)) if saved.get(k) != model_config.get(k))

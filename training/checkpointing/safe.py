@@ -12,7 +12,7 @@ Three entry points:
   run) before a multi-rank load, so every rank refuses the same file at the same point — a rank that failed
   inside DeepSpeed's loader alone would leave the others waiting in its next collective;
 - `safe_torch_load(path)`: normlab's own reads (evaluate, export, generate, the run history, Lightning's
-  checkpoint IO via `SafeCheckpointIO`, a future `fit --init_from`);
+  checkpoint IO via `SafeCheckpointIO`, `fit --init_from`);
 - `no_code_from_checkpoints()`: DeepSpeed reads its checkpoints at some twenty call sites that all pass
   `weights_only=False` to `torch.load` — its checkpoint engine, but also zero_to_fp32, the universal loader
   and ds_to_universal, which bypass the engine — so inside this context `torch.load` itself reads weights-only
@@ -32,7 +32,8 @@ from typing import Any
 import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
-from training.checkpointing.manifest import CheckpointError
+from data.atomic import atomic_write
+from training.errors import CheckpointError
 
 
 def _allowed() -> list[Any]:
@@ -159,8 +160,9 @@ class SafeCheckpointIO(TorchCheckpointIO):
 
     Lightning's own save serializes the whole checkpoint into memory, then has fsspec stage it in a temporary
     file under $TMPDIR before moving it into place: a node whose /tmp is smaller than one checkpoint cannot save
-    at all, and its disk-full error names the runs disk. Here the file goes to `.<name>.tmp` in its own directory
-    (the same filesystem, whose free space the save's error reports), is fsynced and renamed over the name."""
+    at all, and its disk-full error names the runs disk. Here the file goes to a temporary file in its own directory
+    (the same filesystem, whose free space the save's error reports) through `data.atomic.atomic_write`, which
+    fsyncs it and renames it over the name."""
 
     def load_checkpoint(self, path: Any, map_location: Any = None, weights_only: bool | None = None) -> Any:
         if not Path(path).is_file():
@@ -173,18 +175,10 @@ class SafeCheckpointIO(TorchCheckpointIO):
                             f"got {storage_options!r}")
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp")
-        try:
-            torch.save(checkpoint, tmp)
-            fd = os.open(tmp, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            os.replace(tmp, path)
-        except BaseException:
-            tmp.unlink(missing_ok=True)  # (a full disk gets its space back)
-            raise
+        # A temporary file beside it, fsynced and renamed; removed if the save fails (a full disk gets its space
+        # back). Written through the file object, so the archive inside is named the same at every save.
+        with atomic_write(path, "wb") as f:
+            torch.save(checkpoint, f)
 
 
 def _ds_to_universal(argv: list[str]) -> None:

@@ -1,5 +1,5 @@
 """`save_step`: the mechanism of one crash-safe checkpoint save (when to save is `StepCheckpoint`'s policy,
-training/callbacks/step_checkpoint.py; the layout is training/checkpointing/layout.py).
+training/callbacks/step_checkpoint.py; the layout is training/run/layout.py).
 
 A save is atomic (DeepSpeed writes shards in place and its `latest` can name a half-written checkpoint;
 Lightning's DeepSpeed strategy bypasses Lightning's own atomic save — so it is done here):
@@ -14,7 +14,7 @@ save's remaining collectives. Its error is held until the save is over on every 
 rank raises the same error, naming the rank and its cause. A full disk reads the same whichever writer hit it
 (`_write_error`): torch.save's zip writer reports it as a RuntimeError without an errno.
 
-The manifest records every file's size and sha256 (checked before any load, see checkpointing/manifest.py).
+The manifest records every file's size and sha256 (checked before any load, see training/run/manifest.py).
 Each rank hashes the shards it wrote right after writing them, while they are still in the page cache and in
 parallel across ranks; rank 0 hashes only the small files it writes itself.
 """
@@ -35,28 +35,22 @@ from typing import Any
 from lightning.fabric.plugins import CheckpointIO
 from lightning.pytorch import LightningModule, Trainer
 
-from training.checkpointing.layout import (
+from data.atomic import fsync_path, write_text_atomic
+from training.distributed import gather_objects, is_deepspeed
+from training.errors import CheckpointError
+from training.precision import precision_record
+from training.run.layout import (
     CONFIG_FILE,
     DEEPSPEED_TAG,
+    INCOMPLETE_DIR,
     LIGHTNING_FILE,
-    MANIFEST,
     MODEL_CONFIG_FILE,
     TMP_PREFIX,
-    CheckpointError,
     checkpoints_dir,
-    config_hash,
-    file_hash,
-    file_sizes,
-    fsync_path,
-    move_aside,
     step_dirname,
-    versions,
-    write_text_atomic,
 )
-from training.checkpointing.manifest import VERSION as MANIFEST_VERSION
-from training.checkpointing.manifest import Manifest, hash_file, hash_files
-from training.distributed import gather_objects
-from training.strategy import is_deepspeed, precision_record
+from training.run.manifest import VERSION as MANIFEST_VERSION
+from training.run.manifest import Manifest, config_hash, file_hash, file_sizes, hash_file, hash_files, versions
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +67,19 @@ class RunRecord:
     branched_from: dict[str, Any] | None = None  # a cooldown branch's lineage (training/checkpointing/branch.py)
     init_from: dict[str, Any] | None = None  # the weights a run started from (training/checkpointing/init_from.py)
     git_revision: str = "unknown"
+
+
+def move_aside(path: Path, reason: str) -> Path:
+    """Move a checkpoint directory to `checkpoints/incomplete/` (never delete it) and say so."""
+    dest_dir = path.parent / INCOMPLETE_DIR
+    dest_dir.mkdir(exist_ok=True)
+    dest = dest_dir / path.name.removeprefix(TMP_PREFIX)
+    n = 1
+    while dest.exists():
+        dest, n = dest_dir / f"{path.name.removeprefix(TMP_PREFIX)}.{n}", n + 1
+    os.replace(path, dest)
+    log.warning("moved %s aside to %s (%s)", path, dest, reason)
+    return dest
 
 
 def save_step(trainer: Trainer, pl_module: LightningModule, record: RunRecord) -> Path:
@@ -235,4 +242,4 @@ def _write_sidecars(ckpt_dir: Path, trainer: Trainer, pl_module: LightningModule
         files=file_sizes(ckpt_dir),
         sha256=hash_files(ckpt_dir, digests),
     )
-    write_text_atomic(ckpt_dir / MANIFEST, manifest.to_json())  # last: marks complete
+    manifest.write(ckpt_dir)  # last: marks complete

@@ -19,15 +19,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-from training.checkpointing.manifest import (
-    CheckpointError,
-    Manifest,
-    file_sizes,
-    hash_file,
-    verify_files,
-    write_text_atomic,
-)
+from data.atomic import write_text_atomic
 from training.checkpointing.safe import UnsafeCheckpointError
+from training.errors import CheckpointError
+from training.run.manifest import Manifest, file_sizes, hash_file, verify_files
 
 UNIVERSAL_TAG = "checkpoint_universal"  # beside DeepSpeed's own tag ("checkpoint", Lightning's choice)
 LATEST = "latest_universal"

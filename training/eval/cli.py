@@ -12,12 +12,12 @@ import argparse
 import json
 from pathlib import Path
 
-from training.checkpointing.layout import write_text_atomic
-from training.checkpointing.load import CheckpointError
-from training.errors import UserError, report
+from data.atomic import write_text_atomic
+from training.errors import UserError
+from training.eval import require_harness
 from training.eval.heldout import evaluate_sets, split_line
 from training.eval.history import evaluate_run
-from training.rundir import RunDir
+from training.run.dir import RunDir
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -43,19 +43,15 @@ def main(argv: list[str] | None = None) -> int:
     harness.add_argument("--include_path", default=None, help="a directory of your own YAML task definitions")
     args = ap.parse_args(argv)
 
-    try:
-        if args.tasks:
-            return _run_tasks(args, RunDir(args.checkpoint).is_run())
-        if RunDir(args.checkpoint).is_run():
-            if args.output is not None:
-                raise ValueError("--output: a run's results go to <run>/eval/; leave --output out, or evaluate one "
-                                 "checkpoint directory")
-            evaluate_run(args.checkpoint, args.data, args.split, args.max_tokens, args.batch_size, args.device)
-            return 0
-        results = evaluate_sets(args.checkpoint, args.data, args.split, args.max_tokens, args.batch_size,
-                                args.device)
-    except (CheckpointError, ValueError) as err:
-        return report("evaluate", err)
+    if args.tasks:
+        return _run_tasks(args, RunDir(args.checkpoint).is_run())
+    if RunDir(args.checkpoint).is_run():
+        if args.output is not None:
+            raise UserError("--output: a run's results go to <run>/eval/; leave --output out, or evaluate one "
+                            "checkpoint directory")
+        evaluate_run(args.checkpoint, args.data, args.split, args.max_tokens, args.batch_size, args.device)
+        return 0
+    results = evaluate_sets(args.checkpoint, args.data, args.split, args.max_tokens, args.batch_size, args.device)
     if args.output:
         out = results[0] if len(results) == 1 else {"sets": {r["set"]: r for r in results}}
         write_text_atomic(args.output, json.dumps(out, indent=2) + "\n")
@@ -66,30 +62,22 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run_tasks(args: argparse.Namespace, run_dir: bool) -> int:
     """`--tasks`: the harness on one checkpoint, or on every checkpoint of a run not yet scored with the same
-    settings (its errors are CheckpointError/ValueError, reported by main)."""
-    try:
-        from training.eval.tasks import evaluate_run_tasks, run_tasks, summary_line
-    except ModuleNotFoundError as err:
-        if (err.name or "").split(".")[0] != "lm_eval":
-            raise
-        return report("evaluate", UserError('--tasks needs lm-evaluation-harness, which is not installed: '
-                                            'pip install -e ".[eval]"'))
+    settings."""
+    require_harness("--tasks")
+    from training.eval.tasks import evaluate_run_tasks, run_tasks, summary_line
+
     if args.data:
-        raise ValueError("--tasks scores harness tasks and takes no --data")
+        raise UserError("--tasks scores harness tasks and takes no --data")
     names = [t.strip() for t in args.tasks.split(",") if t.strip()]
     options = {"num_fewshot": args.num_fewshot, "limit": args.limit, "batch_size": args.batch_size,
                "device": args.device, "include_path": args.include_path}
     if run_dir:
         if args.output is not None:
-            raise ValueError("--output: a run's results go to <run>/eval/lm_eval/; leave --output out, or evaluate "
-                             "one checkpoint directory")
+            raise UserError("--output: a run's results go to <run>/eval/lm_eval/; leave --output out, or evaluate "
+                            "one checkpoint directory")
         for step, metrics in evaluate_run_tasks(args.checkpoint, names, **options).items():
             print(f"step {step}: {summary_line(metrics)}")
         return 0
     results = run_tasks(args.checkpoint, names, output=args.output, **options)
     print(summary_line(results["metrics"]))
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

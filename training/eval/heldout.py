@@ -23,10 +23,12 @@ from tqdm import tqdm
 from data.dataset import val_starts, window_batch
 from data.layout import document_starts, load_tokenizer, open_tokens, read_meta
 from data.tokenizer import sha256_file
-from training.checkpointing.load import CheckpointError, load_checkpoint
-from training.checkpointing.manifest import MANIFEST, Manifest
+from training.checkpointing.load import load_checkpoint
+from training.errors import CheckpointError, UserError
 from training.eval.metrics import LossTotals, batch_loss, split_batch, tags
 from training.loggers import write_scalars
+from training.run.layout import MANIFEST
+from training.run.manifest import Manifest
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +73,7 @@ def parse_sets(specs: list[str] | None) -> list[tuple[str | None, Path | None]]:
         if not sep or Path(spec).exists():  # a plain directory (even one whose name holds '=')
             sets.append((None, Path(spec)))
         elif not _SET_NAME.fullmatch(name):
-            raise ValueError(f"--data {spec}: the set name {name!r} must be letters, digits, '_', '-' or '.'")
+            raise UserError(f"--data {spec}: the set name {name!r} must be letters, digits, '_', '-' or '.'")
         else:
             sets.append((name, Path(path)))
     return sets
@@ -128,7 +130,7 @@ def plan_sets(specs: list[tuple[str | None, Path | None]], run_config: dict[str,
                            docs))
     names = [h.name for h in out]
     if len(set(names)) != len(names):
-        raise ValueError(f"--data: two sets are called {min(n for n in names if names.count(n) > 1)!r}; "
+        raise UserError(f"--data: two sets are called {min(n for n in names if names.count(n) > 1)!r}; "
                          "name them: --data NAME=DIR ...")
     return out
 

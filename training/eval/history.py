@@ -21,11 +21,14 @@ from typing import Any
 
 import torch
 
-from training.checkpointing.layout import MANIFEST, Manifest, checkpoints_dir, write_text_atomic
-from training.checkpointing.load import CheckpointError, load_checkpoint
+from data.atomic import write_text_atomic
+from training.checkpointing.load import load_checkpoint
+from training.errors import CheckpointError
 from training.eval.heldout import log_to_tensorboard, parse_sets, plan_sets, score, split_line
 from training.eval.metrics import METRICS
-from training.rundir import RunDir, model_config, step_config
+from training.run.dir import RunDir, model_config, step_config
+from training.run.layout import MANIFEST, checkpoints_dir
+from training.run.manifest import Manifest
 
 log = logging.getLogger(__name__)
 

@@ -32,10 +32,11 @@ from lm_eval import utils
 from lm_eval.evaluator import evaluate
 from lm_eval.tasks import TaskManager
 
-from training.checkpointing.layout import write_text_atomic
+from data.atomic import write_text_atomic
+from training.errors import UserError
 from training.eval import history
 from training.loggers import write_scalars
-from training.rundir import RunDir
+from training.run.dir import RunDir
 
 log = logging.getLogger(__name__)
 
@@ -61,21 +62,21 @@ class TaskSet:
         """The tasks `names` (harness names or those of YAML files under `include_path`), configured as the
         harness's `simple_evaluate` configures them. `loglikelihood_only`: refuse generation tasks (the loop)."""
         if include_path is not None and not Path(include_path).is_dir():
-            raise ValueError(f"include_path: '{include_path}' is not a directory of task YAML files")
+            raise UserError(f"include_path: '{include_path}' is not a directory of task YAML files")
         manager = TaskManager(include_path=include_path)
         unknown = [t for t in names if not manager.match_tasks([t])]
         if unknown:
-            raise ValueError(f"tasks: unknown task {unknown[0]!r}; `lm-eval ls tasks` lists the harness's tasks, and "
+            raise UserError(f"tasks: unknown task {unknown[0]!r}; `lm-eval ls tasks` lists the harness's tasks, and "
                              "an include path (a directory of your own YAML task definitions) adds yours")
         try:
             loaded = manager.load(names)
         except Exception as err:  # the harness reads the task's data here: offline, it must be cached already
-            raise ValueError(f"tasks {','.join(names)}: the harness could not load them ({type(err).__name__}: "
+            raise UserError(f"tasks {','.join(names)}: the harness could not load them ({type(err).__name__}: "
                              f"{err}); offline, pre-cache their data on a machine with network first (see "
                              "docs/downstream.md)") from err
         for name, task in loaded["tasks"].items():
             if loglikelihood_only and task.OUTPUT_TYPE not in LOGLIKELIHOOD_TYPES:
-                raise ValueError(f"eval.tasks: {name!r} is a {task.OUTPUT_TYPE} task; the training loop scores "
+                raise UserError(f"eval.tasks: {name!r} is a {task.OUTPUT_TYPE} task; the training loop scores "
                                  f"log-likelihood tasks only ({', '.join(LOGLIKELIHOOD_TYPES)}): evaluate it on "
                                  "checkpoints with `normlab evaluate --tasks`")
             if num_fewshot is not None and task.get_config("num_fewshot") != 0:
@@ -183,7 +184,8 @@ def run_tasks(checkpoint: str | Path, tasks: list[str], num_fewshot: int | None 
     item (`samples`) and normlab's per-task `metrics`."""
     import torch
 
-    from training.checkpointing.load import CheckpointError, load_checkpoint
+    from training.checkpointing.load import load_checkpoint
+    from training.errors import CheckpointError
     from training.eval.harness import NormlabLM
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -191,7 +193,7 @@ def run_tasks(checkpoint: str | Path, tasks: list[str], num_fewshot: int | None 
     loaded = load_checkpoint(checkpoint, device=device)
     in_run = loaded.run_dir is not None and loaded.step is not None
     if output is None and not in_run:
-        raise ValueError(f"--tasks: '{checkpoint}' is not a checkpoint of a run; say where the results go with "
+        raise UserError(f"--tasks: '{checkpoint}' is not a checkpoint of a run; say where the results go with "
                          "--output FILE.json")
     if loaded.tokenizer_path is None or not loaded.tokenizer_path.is_file():
         raise CheckpointError(f"'{checkpoint}': its tokenizer is not found (the run's data directory moved?); "
@@ -213,8 +215,9 @@ def evaluate_run_tasks(run_dir: str | Path, tasks: list[str], num_fewshot: int |
                        include_path: str | None = None) -> dict[int, dict[str, dict[str, float]]]:
     """Every complete checkpoint of `run_dir` not yet scored on these tasks with the same settings (by the loop
     or an earlier call), in step order; returns {step: metrics} of the new ones."""
-    from training.checkpointing.layout import Manifest, checkpoints_dir
-    from training.checkpointing.load import CheckpointError
+    from training.errors import CheckpointError
+    from training.run.layout import checkpoints_dir
+    from training.run.manifest import Manifest
 
     run = RunDir(run_dir)
     checkpoints = run.checkpoints()

@@ -24,7 +24,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
-from training.study.grid import AtInit, Scale, Spec, deep, long_run, shallow, train, with_layers, xiong
+from training.study.grid import AtInit, Job, Scale, deep, long_run, shallow, train, with_layers, xiong
 
 # Smallest effects of interest (fixed before the v3 run; see REVISIONS).
 LOSS = 0.05  # nats, for losses and LR sensitivity (≈ 1% of the loss these runs reach)
@@ -57,7 +57,7 @@ class Claim:
     number: int
     title: str
     source: str
-    setup: Callable[[Scale], dict[str, Spec]]
+    setup: Callable[[Scale], dict[str, Job]]
     tests: tuple[Test, ...]
     if_not_pass: str = ""  # printed when the primary does not pass; worded as a hypothesis unless measured
     limits: str = ""  # what this setup cannot show
@@ -94,8 +94,8 @@ def R(test: Test) -> Test:
 # ----------------------------------------------------------------------------------------------- setups
 
 
-def _deep_arm(scale: Scale) -> dict[str, Spec]:
-    roles: dict[str, Spec] = {"long": long_run(scale), "long-sandwich": long_run(scale, placement="sandwich")}
+def _deep_arm(scale: Scale) -> dict[str, Job]:
+    roles: dict[str, Job] = {"long": long_run(scale), "long-sandwich": long_run(scale, placement="sandwich")}
     for init in ("normal", "scaled", "depth"):
         roles[f"init-{init}"] = AtInit(deep(scale, init=init), "profile")
         roles[f"trained-{init}"] = train(scale, deep(scale, init=init))
@@ -106,8 +106,8 @@ def _deep_arm(scale: Scale) -> dict[str, Spec]:
     return roles
 
 
-def _post_vs_pre(scale: Scale) -> dict[str, Spec]:
-    roles: dict[str, Spec] = {}
+def _post_vs_pre(scale: Scale) -> dict[str, Job]:
+    roles: dict[str, Job] = {}
     for placement in ("post", "pre"):
         arch = with_layers(shallow(scale, placement=placement, norm="layernorm", bias=True), scale.mid)
         for wi, warm in enumerate(scale.warmups):
@@ -121,8 +121,8 @@ def _post_vs_pre(scale: Scale) -> dict[str, Spec]:
     return roles
 
 
-def _xiong(scale: Scale) -> dict[str, Spec]:
-    roles: dict[str, Spec] = {}
+def _xiong(scale: Scale) -> dict[str, Job]:
+    roles: dict[str, Job] = {}
     inits = {"xavier": {}, "invsqrt": {"init": "normal", "init_std": scale.dim ** -0.5},
              "std02": {"init": "normal"}}
     for p in ("post", "pre"):
@@ -135,13 +135,13 @@ def _xiong(scale: Scale) -> dict[str, Spec]:
     return roles
 
 
-def _qk_sweep(scale: Scale) -> dict[str, Spec]:
+def _qk_sweep(scale: Scale) -> dict[str, Job]:
     return {f"{qk}@{i}": train(scale, shallow(scale, qk_norm=qk), lr=lr)
             for qk in ("none", "head", "full") for i, lr in enumerate(scale.lrs)}
 
 
-def _rms_vs_ln(scale: Scale) -> dict[str, Spec]:
-    roles: dict[str, Spec] = {}
+def _rms_vs_ln(scale: Scale) -> dict[str, Job]:
+    roles: dict[str, Job] = {}
     for i, w in enumerate(scale.widths):
         suffix = f"-w{i}" if i else ""
         dim = None if w == scale.dim else w
@@ -150,8 +150,8 @@ def _rms_vs_ln(scale: Scale) -> dict[str, Spec]:
     return roles
 
 
-def _no_norm_init(scale: Scale) -> dict[str, Spec]:
-    roles: dict[str, Spec] = {}
+def _no_norm_init(scale: Scale) -> dict[str, Job]:
+    roles: dict[str, Job] = {}
     for i, std in enumerate(scale.init_stds):
         for norm, name in (("none", "none"), ("rmsnorm", "rms")):
             roles[f"{name}-std{i}"] = AtInit(deep(scale, norm=norm, init_std=std), "profile")
@@ -159,30 +159,30 @@ def _no_norm_init(scale: Scale) -> dict[str, Spec]:
     return roles
 
 
-def _no_norm_lr(scale: Scale) -> dict[str, Spec]:
-    roles: dict[str, Spec] = {f"none@{i}": train(scale, deep(scale, norm="none"), lr=lr)
+def _no_norm_lr(scale: Scale) -> dict[str, Job]:
+    roles: dict[str, Job] = {f"none@{i}": train(scale, deep(scale, norm="none"), lr=lr)
                               for i, lr in enumerate(scale.nonorm_lrs)}
     for lr in sorted({scale.nonorm_lrs[-2], scale.lr}):
         roles[f"rms@{len([r for r in roles if r.startswith('rms@')])}"] = train(scale, deep(scale), lr=lr)
     return roles
 
 
-def _placements(scale: Scale) -> dict[str, Spec]:
+def _placements(scale: Scale) -> dict[str, Job]:
     return {f"{p}@{i}": train(scale, shallow(scale, placement=p), lr=lr)
             for p in ("pre", "sandwich", "output") for i, lr in enumerate(scale.placement_lrs)}
 
 
-def _final_norm(scale: Scale) -> dict[str, Spec]:
+def _final_norm(scale: Scale) -> dict[str, Job]:
     return {"final": train(scale, shallow(scale)), "no-final": train(scale, shallow(scale, final_norm=False)),
             "deep-final": train(scale, deep(scale)), "deep-no-final": train(scale, deep(scale, final_norm=False))}
 
 
-def _input_scale(scale: Scale) -> dict[str, Spec]:
+def _input_scale(scale: Scale) -> dict[str, Job]:
     return {"none": train(scale, shallow(scale, norm="none")), "rms": train(scale, shallow(scale)),
             "layernorm": train(scale, shallow(scale, norm="layernorm", bias=True))}
 
 
-def _timing(scale: Scale) -> dict[str, Spec]:
+def _timing(scale: Scale) -> dict[str, Job]:
     return {}  # measured in the main process (`runner.main_process_measurements`)
 
 

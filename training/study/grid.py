@@ -145,7 +145,7 @@ class AtInit:
         return f"{self.what}: {self.arch.label()} at init"
 
 
-Spec = Train | AtInit
+Job = Train | AtInit
 
 
 def shallow(scale: Scale, **fields) -> Arch:

@@ -33,8 +33,8 @@ from training.stats import (
     judge_family,
     no_estimate,
 )
-from training.study.claims import MECHANISM, PRIMARY, REPORT, Claim, Test
-from training.study.grid import Spec, Train
+from training.study.claims import PRIMARY, REPORT, Claim, Test
+from training.study.grid import Job, Train
 from training.study.statistics import STATISTICS, Context, capped_grid
 
 
@@ -203,13 +203,7 @@ def judge_all(claims: Sequence[Claim], contexts: Sequence[Context]) -> list[tupl
         for o in outs:  # secondary tests and mechanism checks: each alone
             if o.test.tier not in (PRIMARY, REPORT):
                 judge_tests([o])
-    primaries = [o for outs in measured for o in outs if o.test.tier == PRIMARY and o.judgement is not None]
-    for key in ("difference", "equivalence"):
-        for o, q in zip(primaries, benjamini_hochberg([o.p[key] for o in primaries]), strict=True):
-            o.q[key] = q
-    for o in primaries:
-        bh = comparison_verdict(o.judgement.direction, o.q["difference"], o.q["equivalence"], "lower", ALPHA)
-        o.verdict_bh = decide(o.test, bh)
+    bh_scorecard([o for outs in measured for o in outs if o.test.tier == PRIMARY and o.judgement is not None])
     judged = []
     for outs in measured:
         first = [o for o in outs if o.test.tier == PRIMARY]
@@ -220,9 +214,17 @@ def judge_all(claims: Sequence[Claim], contexts: Sequence[Context]) -> list[tupl
     return judged
 
 
-def is_judged(test: Test) -> bool:
-    return test.tier not in (REPORT, MECHANISM)
+def bh_scorecard(primaries: Sequence[Outcome]) -> None:
+    """The scorecard's false-discovery view of judged primary outcomes, across claims: each gets its
+    Benjamini–Hochberg q-values (`q`, of its difference and equivalence p-values) and the verdict they give at
+    FDR α (`verdict_bh`)."""
+    for key in ("difference", "equivalence"):
+        for o, q in zip(primaries, benjamini_hochberg([o.p[key] for o in primaries]), strict=True):
+            o.q[key] = q
+    for o in primaries:
+        bh = comparison_verdict(o.judgement.direction, o.q["difference"], o.q["equivalence"], "lower", ALPHA)
+        o.verdict_bh = decide(o.test, bh)
 
 
-def trained(spec: Spec) -> bool:
+def trained(spec: Job) -> bool:
     return isinstance(spec, Train)

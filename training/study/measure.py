@@ -22,11 +22,12 @@ from model import Transformer
 from model.norms import Norm
 from model.probes import record
 from model.residual import Stream
+from training import health_tags as T
 from training.optim import OptimConfig, build_optimizer, plain_update
 from training.stats import training_outcome
 from training.study.grid import AtInit, Scale, Train
 
-PROBE_TAGS = ("resid/", "attn/max_logit/", "attn/saturated_frac/", "outlier/")
+PROBE_TAGS = (T.RESIDUAL, f"{T.ATTN_MAX_LOGIT}/", f"{T.ATTN_SATURATED}/", T.OUTLIER)
 INPUT_SCALES = (0.3, 3.0, 10.0)  # claim 18: the stream entering the middle block, multiplied by k
 
 

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
+from training import health_tags as T
 from training.plotting import band, pyplot, save_figure
 from training.study.measure import final_loss
 from training.study.statistics import Context, capped_final_loss, probes, stream_profile
@@ -72,7 +73,7 @@ def update_ratio(ctx: Context, ax_pair) -> None:
         ax_pair[0].legend(fontsize=7)
     for sub in ("attn", "mlp"):
         for role, label in (("init-normal", "at init"), ("long", "after the long run")):
-            x, ys = _profile(ctx, role, lambda p, L, sub=sub: [p[f"resid/update_ratio/{sub}/L{l}"]
+            x, ys = _profile(ctx, role, lambda p, L, sub=sub: [p[T.layer(T.UPDATE_RATIO, l, sub)]
                                                                 for l in range(1, L)])
             band(ax_pair[1], x, ys, f"{sub}, {label}", marker=".")
     ax_pair[1].set(xlabel="block l (≥ 1)", ylabel="update RMS / stream RMS", xscale="log", yscale="log")
@@ -107,7 +108,7 @@ def qk_sweep(ctx: Context, ax_pair) -> None:
     for qk in ("none", "head", "full"):
         _lr_curve(ax_pair[0], ctx, qk, f"QK-norm {qk}")
         _lr_curve(ax_pair[1], ctx, qk, f"QK-norm {qk}", stat=lambda r, spec: max(
-            probes(r, spec)[f"attn/max_logit/L{l}"] for l in range(spec.arch.layers)))
+            probes(r, spec)[T.layer(T.ATTN_MAX_LOGIT, l)] for l in range(spec.arch.layers)))
     ax_pair[0].set(ylabel="held-out loss (nats/token)", title="LR sensitivity")
     ax_pair[1].set(ylabel="max attention logit after training", yscale="log", title="attention logits")
     for ax in ax_pair:
@@ -152,7 +153,7 @@ def no_norm(ctx: Context, ax_pair) -> None:
         ax_pair[0].legend(fontsize=7)
     for i, std in enumerate(ctx.scale.init_stds[:2]):
         for role, label in ((f"none-std{i}", "no norm"), (f"rms-std{i}", "RMSNorm")):
-            x, ys = _profile(ctx, role, lambda p, L: [p[f"resid/read_rms/attn/L{l}"] for l in range(L)])
+            x, ys = _profile(ctx, role, lambda p, L: [p[T.layer(T.READ_RMS, l, "attn")] for l in range(L)])
             band(ax_pair[1], x, ys, f"{label}, init std {std:g}", marker=".")
     ax_pair[1].set(xlabel="block", ylabel="RMS of the attention sublayer's input", yscale="log",
                    title="real model at init (pre-norm placement)")
@@ -161,7 +162,7 @@ def no_norm(ctx: Context, ax_pair) -> None:
 
 def placements(ctx: Context, ax_pair) -> None:
     for p in ("pre", "sandwich", "output"):
-        _lr_curve(ax_pair[0], ctx, p, p, stat=lambda r, spec: probes(r, spec)["resid/final_in"])
+        _lr_curve(ax_pair[0], ctx, p, p, stat=lambda r, spec: probes(r, spec)[T.FINAL_IN])
         _lr_curve(ax_pair[1], ctx, p, p)
     ax_pair[0].set(ylabel="final stream RMS after training", yscale="log", title="stream growth")
     ax_pair[1].set(ylabel="held-out loss (nats/token)", title="loss")

@@ -19,7 +19,7 @@ import torch
 
 from data.datamodule import TokenDataModule
 from training.study.claims import Claim
-from training.study.grid import AtInit, Scale, Spec, shallow
+from training.study.grid import AtInit, Job, Scale, shallow
 from training.study.measure import at_init, toy_no_norm, train_run
 from training.study.timing import norm_share, op_ratios, step_time_ratios
 
@@ -27,26 +27,26 @@ log = logging.getLogger(__name__)
 _WORKER: dict = {}
 
 
-def roles_of(claims: tuple[Claim, ...], scale: Scale) -> dict[int, dict[str, Spec]]:
+def roles_of(claims: tuple[Claim, ...], scale: Scale) -> dict[int, dict[str, Job]]:
     return {c.number: c.setup(scale) for c in claims}
 
 
-def plan(claims: tuple[Claim, ...], scale: Scale) -> list[tuple[Spec, int]]:
+def jobs(claims: tuple[Claim, ...], scale: Scale) -> list[tuple[Job, int]]:
     """The union of the selected claims' specs, each at its number of seeds, longest jobs first."""
-    specs: dict[Spec, None] = {}
+    specs: dict[Job, None] = {}
     for roles in roles_of(claims, scale).values():
         specs.update(dict.fromkeys(roles.values()))
     jobs = [(s, seed) for s in specs for seed in range(seeds_of(s, scale))]
     return sorted(jobs, key=lambda j: -_cost(j[0], scale))
 
 
-def seeds_of(spec: Spec, scale: Scale) -> int:
+def seeds_of(spec: Job, scale: Scale) -> int:
     if isinstance(spec, AtInit):
         return scale.ladder_seeds if spec.ladder else scale.init_seeds
     return scale.seeds
 
 
-def _cost(spec: Spec, scale: Scale) -> float:
+def _cost(spec: Job, scale: Scale) -> float:
     width = (spec.arch.dim or scale.dim) ** 2
     return spec.arch.layers * width * (1 if isinstance(spec, AtInit) else spec.steps)
 
@@ -82,19 +82,19 @@ def first_batch(data: TokenDataModule) -> torch.Tensor:
     return next(training_batches(data, 0))
 
 
-def _job(spec: Spec, seed: int) -> tuple[Spec, int, dict]:
+def _job(spec: Job, seed: int) -> tuple[Job, int, dict]:
     data, scale = _WORKER["data"], _WORKER["scale"]
     if isinstance(spec, AtInit):
         return spec, seed, at_init(spec, seed, scale, _WORKER["first"], data.vocab_size)
     return spec, seed, train_run(spec, seed, scale, training_batches(data, seed), _WORKER["val"], data.vocab_size)
 
 
-def run_jobs(jobs: list[tuple[Spec, int]], data_dir: Path, scale: Scale, n_procs: int) -> dict[Spec, list[dict]]:
+def run_jobs(jobs: list[tuple[Job, int]], data_dir: Path, scale: Scale, n_procs: int) -> dict[Job, list[dict]]:
     """Every job's result, grouped by spec in seed order."""
-    out: dict[Spec, dict[int, dict]] = {}
+    out: dict[Job, dict[int, dict]] = {}
     start, done = time.perf_counter(), 0
 
-    def collect(spec: Spec, seed: int, result: dict) -> None:
+    def collect(spec: Job, seed: int, result: dict) -> None:
         nonlocal done
         out.setdefault(spec, {})[seed] = result
         done += 1

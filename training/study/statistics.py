@@ -14,6 +14,7 @@ import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from training import health_tags as T
 from training.stats import (
     best_index,
     capped_loss,
@@ -22,7 +23,7 @@ from training.stats import (
     lr_sensitivity,
     slope,
 )
-from training.study.grid import AtInit, Scale, Spec
+from training.study.grid import AtInit, Job, Scale
 from training.study.measure import final_loss, initial_loss, outcome
 
 ABLATION_FLOOR = 1e-4  # nats: a removed block's loss increase counts as at least this (log of a ratio)
@@ -34,8 +35,8 @@ class Context:
     measurements (`extra`: "timing", "norm_share", "toy")."""
 
     scale: Scale
-    roles: dict[str, Spec]
-    results: dict[Spec, list[dict]]
+    roles: dict[str, Job]
+    results: dict[Job, list[dict]]
     extra: dict = field(default_factory=dict)
 
     def family(self, name: str) -> list[str]:
@@ -49,14 +50,14 @@ class Context:
             return self.family(role[:-3])[-1]
         return role
 
-    def spec(self, role: str) -> Spec:
+    def spec(self, role: str) -> Job:
         return self.roles[self.resolve(role)]
 
     def runs(self, role: str) -> list[dict]:
         return self.results[self.spec(role)]
 
 
-def probes(result: dict, spec: Spec) -> dict[str, float]:
+def probes(result: dict, spec: Job) -> dict[str, float]:
     """The probe scalars a statistic reads: at init, or after the last training step — for a run that diverged,
     its last probe before the loss became non-finite (the report marks the run 'diverged')."""
     if isinstance(spec, AtInit):
@@ -79,7 +80,7 @@ def _per_seed(fn: Callable[[dict[str, float], int], float]) -> Callable[..., lis
 
 def stream_profile(p: dict[str, float], layers: int) -> list[float]:
     """Stream RMS after 1..L blocks."""
-    return [p[f"resid/rms/L{l}"] for l in range(1, layers)] + [p["resid/final_in"]]
+    return [p[T.layer(T.RESID_RMS, l)] for l in range(1, layers)] + [p[T.FINAL_IN]]
 
 
 def _growth_slope(p: dict[str, float], layers: int, first: int = 1) -> float:
@@ -89,21 +90,22 @@ def _growth_slope(p: dict[str, float], layers: int, first: int = 1) -> float:
 
 
 def _log_read_growth(p: dict[str, float], layers: int) -> float:
-    return math.log(p[f"resid/read_rms/attn/L{layers - 1}"] / p["resid/read_rms/attn/L0"])
+    return math.log(p[T.layer(T.READ_RMS, layers - 1, "attn")] / p[T.layer(T.READ_RMS, 0, "attn")])
 
 
 def _log_update_rms(p: dict[str, float], layers: int) -> float:
-    return math.log(statistics.fmean(p[f"resid/update_rms/{s}/L{l}"] for s in ("attn", "mlp")
+    return math.log(statistics.fmean(p[T.layer(T.UPDATE_RMS, l, s)] for s in T.SUBLAYERS
                                      for l in range(1, layers)))
 
 
 def _update_slope(p: dict[str, float], layers: int) -> float:
-    ys = [math.log((p[f"resid/update_rms/attn/L{l}"] + p[f"resid/update_rms/mlp/L{l}"]) / 2) for l in range(1, layers)]
+    ys = [math.log((p[T.layer(T.UPDATE_RMS, l, "attn")] + p[T.layer(T.UPDATE_RMS, l, "mlp")]) / 2)
+          for l in range(1, layers)]
     return slope([math.log(l) for l in range(1, layers)], ys)
 
 
 def _non_finite(p: dict[str, float], layers: int) -> float:
-    return float(not all(math.isfinite(v) for k, v in p.items() if k.startswith("resid/")))
+    return float(not all(math.isfinite(v) for k, v in p.items() if k.startswith(T.RESIDUAL)))
 
 
 def ratio_slope(ctx: Context, role: str, sub: str) -> list[float]:
@@ -112,7 +114,7 @@ def ratio_slope(ctx: Context, role: str, sub: str) -> list[float]:
     spec = ctx.spec(role)
     L = spec.arch.layers
     xs = [math.log(l) for l in range(1, L)]
-    return [slope(xs, [math.log(probes(r, spec)[f"resid/update_ratio/{sub}/L{l}"]) for l in range(1, L)])
+    return [slope(xs, [math.log(probes(r, spec)[T.layer(T.UPDATE_RATIO, l, sub)]) for l in range(1, L)])
             for r in ctx.runs(role)]
 
 
@@ -274,14 +276,14 @@ def log_time(ctx: Context, role: str) -> list[float]:
 STATISTICS: dict[str, Callable[..., list[float]]] = {
     "growth_slope": _per_seed(_growth_slope),
     "growth_slope_2": _per_seed(lambda p, L: _growth_slope(p, L, first=2)),
-    "log_final_rms": _per_seed(lambda p, L: math.log(p["resid/final_in"])),
-    "log_max_over_rms": _per_seed(lambda p, L: math.log(p["outlier/max_over_rms/final_in"])),
-    "kurtosis": _per_seed(lambda p, L: p["outlier/kurtosis/final_in"]),
+    "log_final_rms": _per_seed(lambda p, L: math.log(p[T.FINAL_IN])),
+    "log_max_over_rms": _per_seed(lambda p, L: math.log(p[f"{T.MAX_OVER_RMS}/final_in"])),
+    "kurtosis": _per_seed(lambda p, L: p[f"{T.KURTOSIS}/final_in"]),
     "log_read_growth": _per_seed(_log_read_growth),
     "log_update_rms": _per_seed(_log_update_rms),
     "update_slope": _per_seed(_update_slope),
-    "log_max_logit": _per_seed(lambda p, L: math.log(max(p[f"attn/max_logit/L{l}"] for l in range(L)))),
-    "saturated": _per_seed(lambda p, L: statistics.fmean(p[f"attn/saturated_frac/L{l}"] for l in range(L))),
+    "log_max_logit": _per_seed(lambda p, L: math.log(max(p[T.layer(T.ATTN_MAX_LOGIT, l)] for l in range(L)))),
+    "saturated": _per_seed(lambda p, L: statistics.fmean(p[T.layer(T.ATTN_SATURATED, l)] for l in range(L))),
     "non_finite": _per_seed(_non_finite),
     "ratio_slope": ratio_slope,
     "final_loss": final_losses,

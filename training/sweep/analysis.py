@@ -4,7 +4,7 @@ question against the baseline (paired over seeds, Holm across exactly those cell
 LR" cross-fitted).
 
 Every definition (the cap of a diverged run, the LR sensitivity, the best-LR choice, Holm, the divergence
-rule) is training/stats.py's, shared with the study. One implementation for the sweep's report, its `--plan`
+rule) is training/stats/'s, shared with the study. One implementation for the sweep's report, its `--plan`
 and `normlab compare --group_by`; the tests live in tests/test_stats.py (the statistics) and
 tests/test_sweep_report.py (on real runs).
 """

@@ -10,12 +10,12 @@
 from __future__ import annotations
 
 import argparse
-import importlib
 import logging
 import sys
 from pathlib import Path
 
 from training.errors import UserError
+from training.run.layout import SWEEP_STATE_FILE
 from training.sweep.executors import EXECUTORS
 from training.sweep.runner import dry_run, status_table
 from training.sweep.spec import load_spec
@@ -49,20 +49,16 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def report(sweep_dir: Path, out: Path | None) -> int:
-    try:
-        module = importlib.import_module("training.sweep.report")
-    except ModuleNotFoundError as err:
-        if err.name != "training.sweep.report":
-            raise
-        raise UserError("the sweep report is not available in this version of normlab "
-                        "(training/sweep/report.py is missing)") from err
-    if not (sweep_dir / "sweep.json").is_file():
-        raise UserError(f"'{sweep_dir}' has no sweep.json: run the sweep first (normlab sweep SPEC.yaml)")
+def write_report(sweep_dir: Path, out: Path | None) -> int:
+    """`--report`: the report of the sweep in `sweep_dir`, once its runs are checked to have trained one config
+    per cell."""
+    if not (sweep_dir / SWEEP_STATE_FILE).is_file():
+        raise UserError(f"'{sweep_dir}' has no {SWEEP_STATE_FILE}: run the sweep first (normlab sweep SPEC.yaml)")
+    from training.sweep import report
     from training.sweep.results import check_one_config_per_cell
 
-    check_one_config_per_cell(sweep_dir, module.load_sweep(sweep_dir)["runs"])
-    path = module.write_report(sweep_dir, out)
+    check_one_config_per_cell(sweep_dir, report.load_sweep(sweep_dir)["runs"])
+    path = report.write_report(sweep_dir, out)
     sys.stdout.write(f"report: {path}\n")
     return 0
 
@@ -75,6 +71,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.max_parallel < 1:  # (before anything is written into the sweep directory)
         raise UserError(f"--max_parallel {args.max_parallel} must be >= 1")
     spec = load_spec(args.spec)
+    unknown = sorted(set(spec.executor) - set(EXECUTORS))
+    if unknown:
+        raise UserError(f"sweep spec '{spec.path}': executor key {unknown[0]!r} is not an executor; choose from "
+                        f"{', '.join(EXECUTORS)}")
     runs = spec.runs()
     if args.dry_run:
         sys.stdout.write(dry_run(spec, runs))
@@ -83,10 +83,10 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.write(status_table(spec, runs))
         return 0
     if args.report:
-        return report(spec.sweep_dir, args.out)
+        return write_report(spec.sweep_dir, args.out)
     if args.plan:
-        from training.sweep.plan import plan
+        from training.sweep.power import seeds_needed_table
 
-        sys.stdout.write(plan(spec, args.pilot, args.sd))
+        sys.stdout.write(seeds_needed_table(spec, args.pilot, args.sd))
         return 0
     return EXECUTORS[args.executor].launch(spec, runs, args.max_parallel, args.wait)

@@ -21,9 +21,10 @@ from typing import Any
 
 from training.cli_checks import CONFIG_HASHES_ENV
 from training.errors import UserError
-from training.rundir import RUN_RECORD, RunDir
+from training.run.dir import RunDir
+from training.run.layout import LOG_FILE, RUN_RECORD
 from training.sweep.spec import Run, Spec, load_spec
-from training.sweep.state import LOG_FILE, run_status, write_json
+from training.sweep.state import run_status, write_json
 
 # What a run's log says when normlab's guard stopped it on a non-finite loss or gradient (callbacks/guard.py).
 DIVERGED_MARK = "NonFiniteError"

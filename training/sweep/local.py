@@ -6,7 +6,7 @@ reads at start-up) — so two runs never fight over one core and a run's speed d
 Runs are independent processes: one that diverges or crashes is recorded and the others go on.
 
 The fit processes stay in the sweep's process group, so Ctrl-C (or `kill -- -PGID`) reaches them all; on SIGTERM
-the executor also forwards SIGTERM to each run, which saves its step and exits (training/signals.py); on
+the executor also forwards SIGTERM to each run, which saves its step and exits (training/cluster/signals.py); on
 either it starts no new run. After a `kill -9` the next sweep resumes the interrupted runs.
 
 It prints one line per event of a run — started, up (its first TensorBoard event: start-up over), a new
@@ -27,11 +27,11 @@ from collections.abc import Callable
 from typing import Any
 
 from training.errors import UserError
-from training.rundir import RunDir
+from training.run.dir import RunDir
+from training.run.layout import LOG_FILE
 from training.sweep import progress
 from training.sweep.launch import Snapshot, train
 from training.sweep.spec import Run, Spec
-from training.sweep.state import LOG_FILE
 
 POLL_SECONDS = 2.0  # how often running runs are looked at for their start-up and checkpoints
 
@@ -112,7 +112,7 @@ class Progress:
         log.info("%s", progress.line(mine, what, views, self.slots, now))
 
 
-class LocalExecutor:
+class LocalPool:
     """Trains runs on this machine. With a `snapshot` (launch.Snapshot), each run is checked against it right
     before it starts and trains with its `-c` hashes: a changed config starts neither that run nor any later one
     (the runs already started go on), and the refusal is kept in `refused`."""

@@ -12,14 +12,15 @@ from __future__ import annotations
 
 import heapq
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from training.checkpointing.layout import CONFIG_FILE
-from training.rundir import RunDir
+from training.run.dir import RunDir
+from training.run.layout import CONFIG_FILE
 from training.sweep.spec import Run, Spec
 from training.sweep.state import run_status
 
@@ -117,14 +118,19 @@ def duration(seconds: float | None) -> str:
 
 
 # The order the counts are printed in, whatever order the runs reached their states in (unknown ones last).
-STATUS_ORDER = ("finished", "diverged", "failed", "running", "pending")  # rundir.STATUSES, ended first
+STATUS_ORDER = ("finished", "diverged", "failed", "running", "pending")  # run.dir.STATUSES, ended first
 
 
 def counts(views: list[RunView]) -> str:
     """`2 finished, 1 running, 1 pending`: how many runs are in each state, in STATUS_ORDER."""
+    return status_counts(v.status for v in views)
+
+
+def status_counts(statuses: Iterable[str]) -> str:
+    """`counts` of the runs in these states (one state per run)."""
     found: dict[str, int] = {}
-    for v in views:
-        found[v.status] = found.get(v.status, 0) + 1
+    for status in statuses:
+        found[status] = found.get(status, 0) + 1
     rank = {s: i for i, s in enumerate(STATUS_ORDER)}
     return ", ".join(f"{found[s]} {s}" for s in sorted(found, key=lambda s: (rank.get(s, len(rank)), s)))
 

@@ -17,16 +17,16 @@ from typing import Any
 
 from data.atomic import write_text_atomic
 from training.errors import UserError
-from training.rundir import RunDir
+from training.run.dir import RunDir
+from training.run.layout import SWEEP_STATE_FILE
+from training.stats import MODES
 from training.sweep import plots
 from training.sweep.analysis import cells_of, lr_groups
 from training.sweep.results import RunResult, plain_tags, result
 from training.sweep.spec import QUESTIONS
 from training.sweep.tables import tables, where
 
-STATE_FILE = "sweep.json"
 REPORT_DIR = "report"
-MODES = ("min", "max")
 
 
 def csv_text(results: Sequence[RunResult], axes: Sequence[str], root: Path | None = None) -> str:
@@ -44,9 +44,9 @@ def csv_text(results: Sequence[RunResult], axes: Sequence[str], root: Path | Non
 
 def load_sweep(sweep_dir: Path) -> dict[str, Any]:
     """sweep.json, checked: one UserError line for what is missing or wrong."""
-    path = sweep_dir / STATE_FILE
+    path = sweep_dir / SWEEP_STATE_FILE
     if not path.is_file():
-        raise UserError(f"no {STATE_FILE} in '{sweep_dir}': pass a sweep directory (runs/<name>/, written by "
+        raise UserError(f"no {SWEEP_STATE_FILE} in '{sweep_dir}': pass a sweep directory (runs/<name>/, written by "
                         "`normlab sweep SPEC.yaml`)")
     try:
         sweep = json.loads(path.read_text())
@@ -74,7 +74,7 @@ def read_results(sweep_dir: Path, sweep: dict[str, Any]) -> list[RunResult]:
         try:
             cell, params, seed, rel, status = (run[k] for k in ("cell", "params", "seed", "run_dir", "status"))
         except (KeyError, TypeError) as err:
-            raise UserError(f"'{sweep_dir / STATE_FILE}': run #{i} lacks {err}: run `normlab sweep SPEC.yaml` "
+            raise UserError(f"'{sweep_dir / SWEEP_STATE_FILE}': run #{i} lacks {err}: run `normlab sweep SPEC.yaml` "
                             "again to rewrite it") from err
         out.append(result(cell, params, seed, sweep_dir / rel, status, sweep["metric"]))
     return out
@@ -122,7 +122,7 @@ def write_report(sweep_dir: Path, out_dir: Path | None = None) -> Path:
     sweep_dir = Path(sweep_dir)
     sweep = load_sweep(sweep_dir)
     results = read_results(sweep_dir, sweep)
-    check(results, sweep, str(sweep_dir / STATE_FILE))
+    check(results, sweep, str(sweep_dir / SWEEP_STATE_FILE))
     out_dir = Path(out_dir) if out_dir is not None else sweep_dir / REPORT_DIR
     out_dir.mkdir(parents=True, exist_ok=True)
     cells = cells_of(results)

@@ -3,7 +3,7 @@
 Shared by the sweep's report (training/sweep/report.py) and `normlab compare` (training/compare.py), so both
 give the same number for the same run:
 - final metric: the metric's value at the last step it was logged (the run's TensorBoard events, read by
-  `training.rundir.RunDir.scalars`: a step logged twice, as after a resume's purge, keeps its newest value),
+  `training.run.dir.RunDir.scalars`: a step logged twice, as after a resume's purge, keeps its newest value),
   with that step. A run whose outcome
   is "diverged" has no final metric (NaN): it is counted as an outcome, never averaged as a number.
 - outcome: `training.stats.training_outcome` of the run's logged `train/loss` values in step order (trains /
@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from training.errors import UserError
-from training.rundir import Points, RunDir
+from training.run.dir import Points, RunDir
 from training.stats import training_outcome
 
 TRAIN_LOSS = "train/loss"

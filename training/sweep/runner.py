@@ -17,9 +17,12 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from training.errors import UserError
+from training.run.layout import LOCK_FILE, SWEEP_STATE_FILE
+from training.run.lock import locked
 from training.sweep.launch import Snapshot, check_unchanged
+from training.sweep.progress import status_counts, table
 from training.sweep.spec import Run, Spec
-from training.sweep.state import locked, run_status, write_state
+from training.sweep.state import run_status, write_state
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +37,7 @@ def to_train(spec: Spec, runs: list[Run]) -> list[Run]:
 def claimed(spec: Spec, runs: list[Run]) -> Iterator[list[Run]]:
     """The sweep directory held by this process (one sweep process at a time), the spec checked against what
     was trained, the state written: yields the runs still to train (local and Slurm executors alike)."""
-    with locked(spec.sweep_dir / ".lock", blocking=False) as mine:
+    with locked(spec.sweep_dir / LOCK_FILE, blocking=False) as mine:
         if not mine:
             raise UserError(f"another sweep process is working on '{spec.sweep_dir}'; wait for it, or stop it")
         check_unchanged(spec, runs)
@@ -46,36 +49,28 @@ def claimed(spec: Spec, runs: list[Run]) -> Iterator[list[Run]]:
 def run_local(spec: Spec, runs: list[Run], max_parallel: int) -> dict:
     """Train the runs not done yet, locally; a UserError (after the runs already started have ended) when an edit
     of the spec or a `-c` file stopped the sweep from starting the others."""
-    from training.sweep.local import LocalExecutor
+    from training.sweep.local import LocalPool
 
     with claimed(spec, runs) as todo:
         log.info("sweep %s: %d runs, %d to train, %d at a time", spec.name, len(runs), len(todo), max_parallel)
         start = time.perf_counter()
-        executor = LocalExecutor(spec, max_parallel, on_change=lambda: write_state(spec, runs),
+        executor = LocalPool(spec, max_parallel, on_change=lambda: write_state(spec, runs),
                                  snapshot=Snapshot.take(spec, runs))
         executor.run(todo)
         state = write_state(spec, runs, with_metric=True)
-        log.info("sweep %s: %s in %.0f s", spec.name, counts(state), time.perf_counter() - start)
+        log.info("sweep %s: %s in %.0f s", spec.name, status_counts(r["status"] for r in state["runs"]),
+                 time.perf_counter() - start)
         if executor.refused is not None:
             raise executor.refused
         return state
 
 
-def counts(state: dict) -> str:
-    found: dict[str, int] = {}
-    for r in state["runs"]:
-        found[r["status"]] = found.get(r["status"], 0) + 1
-    return ", ".join(f"{n} {s}" for s, n in found.items())
-
-
 def status_table(spec: Spec, runs: list[Run]) -> str:
     """`--status`: every run's state, step, time and final metric (as far as it got), and the sweep's ETA —
     the numbers a local sweep's progress lines show."""
-    from training.sweep.progress import table
-
     state = write_state(spec, runs, with_metric=True)
     metrics = {r["run_dir"]: r["metric"] for r in state["runs"]}
-    return table(spec, runs, metrics) + f"{Path(spec.sweep_dir) / 'sweep.json'}\n"
+    return table(spec, runs, metrics) + f"{Path(spec.sweep_dir) / SWEEP_STATE_FILE}\n"
 
 
 def dry_run(spec: Spec, runs: list[Run]) -> str:

@@ -14,18 +14,18 @@ Time limits (measured with Slurm 22.05): `--signal=B:USR1@<signal_seconds>` make
 only the batch step — that long before the limit. The task passes the warning on to its fit: to the process
 itself, or to `srun`, which forwards SIGUSR1/SIGUSR2 to every task of the step (SIGTERM or SIGHUP to srun would
 terminate the step at once: "forcing job termination", tasks killed). The fit's ranks finish their step, save it,
-and the fit's rank 0 requeues the job (`scontrol requeue`, training/cluster.py); the requeued task resumes from
+and the fit's rank 0 requeues the job (`scontrol requeue`, training/cluster/requeue.py); the requeued task resumes from
 that checkpoint. SIGTERM to the task (scancel) is passed on the same way, but the fit then only saves and exits:
 whether the job comes back is Slurm's decision. A fit whose rank was lost (a node's processes killed, a hung rank
-timed out: see cluster.collective_failure) makes the task requeue the job, unless the run has been requeued
+timed out: see training/cluster/failure.py) makes the task requeue the job, unless the run has been requeued
 `max_requeues` times in a row without progress. Logs go to `<sweep>/slurm/%A_%a.out` with `--open-mode=append`,
 so a restart does not truncate them; each fit's own log is its run directory's fit.log.
 
-Spec `slurm:` keys (all optional): nodes, gpus_per_node, cpus_per_task, mem, time, partition, account,
-max_parallel (the array's `%` limit), signal_seconds (default 120: at least one step and one save), signal (USR1
-or USR2), max_requeues (default 3), extra (more sbatch options, e.g. `--qos=high`), setup (shell lines run
-before the task, e.g. `source venv/bin/activate`). Set trainer.num_nodes and trainer.devices in the spec to
-match nodes and gpus_per_node.
+Spec `executor: {slurm: {...}}` keys (or a top-level `slurm:`; all optional): nodes, gpus_per_node,
+cpus_per_task, mem, time, partition, account, max_parallel (the array's `%` limit), signal_seconds (default 120:
+at least one step and one save), signal (USR1 or USR2), max_requeues (default 3), extra (more sbatch options,
+e.g. `--qos=high`), setup (shell lines run before the task, e.g. `source venv/bin/activate`). Set
+trainer.num_nodes and trainer.devices in the spec to match nodes and gpus_per_node.
 """
 from __future__ import annotations
 
@@ -41,16 +41,17 @@ import time
 from pathlib import Path
 from typing import Any
 
-from training import cluster
-from training.checkpointing.manifest import write_text_atomic
-from training.cluster import LOST_RANK, read_requeues
+from data.atomic import write_text_atomic
+from training.cluster.failure import LOST_RANK
+from training.cluster.requeue import requeue
+from training.cluster.signals import WARNING_SIGNALS
 from training.errors import UserError
-from training.rundir import RunDir
-from training.signals import WARNING_SIGNALS
+from training.run.dir import RunDir
+from training.run.layout import LOG_FILE
 from training.sweep.launch import config_hashes, identity, train
 from training.sweep.runner import claimed, status_table
 from training.sweep.spec import Run, Spec, load_spec
-from training.sweep.state import LOG_FILE, write_json, write_state
+from training.sweep.state import write_json, write_state
 
 log = logging.getLogger("training.sweep.slurm")  # also when run as __main__ (the array task)
 
@@ -239,23 +240,23 @@ def task_main(argv: list[str]) -> int:
     restart = int(os.environ.get("SLURM_RESTART_COUNT", "0"))
     log.info("%s: %s (restart %d)", run.rel, status, restart)
     record = RunDir(run_dir).record or {}
-    already = any(r.get("restart") == restart for r in read_requeues(run_dir))  # (the fit's own requeue)
+    already = any(r.get("restart") == restart for r in RunDir(run_dir).requeues)  # (the fit's own requeue)
     if status == "failed" and not task.received and not already and lost_rank(record.get("exit_code", 0), run_dir,
                                                                                  log_from):
         step = RunDir(run_dir).progress()[0]
-        if cluster.requeue(run_dir, step, "a rank was lost", max_requeues):
+        if requeue(run_dir, step, "a rank was lost", max_requeues):
             return 0
     return 0 if status in ("finished", "diverged", "pending") else 1
 
 
 if __name__ == "__main__":
-    from training.cli import _setup_logging
-    from training.errors import is_user_error, report
+    from training.console import setup_logging
+    from training.errors import is_user_error, report_user_error
 
-    _setup_logging()
+    setup_logging()
     try:
         sys.exit(task_main(sys.argv[1:]))
     except Exception as err:
         if not is_user_error(err):
             raise
-        sys.exit(report("sweep", err))
+        sys.exit(report_user_error("sweep", err))

@@ -13,7 +13,8 @@
     baseline: placement=pre       # a cell name (or null); margin: the equivalence margin of the report
     question: cells               # what the verdicts answer: cells | lr_sensitivity | best_lr
     compare: [placement=post]     # the question's family: the cells (or LR groups) judged against the baseline
-    slurm: {...}                  # training/sweep/slurm.py
+    executor: {slurm: {...}}      # each executor's own settings, under its name (slurm: training/sweep/slurm.py);
+                                  # a top-level `slurm: {...}`, as older specs give it, is read the same
 
 Both data orders are paired: the cells' runs at one seed share the initialization and (`seed`) their batch
 order, so the report's differences are taken seed by seed; `seed` also lets the data order vary between
@@ -29,7 +30,6 @@ it or resumes it from its newest complete checkpoint.
 from __future__ import annotations
 
 import itertools
-import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,12 +38,14 @@ from typing import Any
 import yaml
 
 from training.errors import UserError
+from training.run.membership import format_value
+from training.stats import MODES
 
 SPEC_KEYS = ("name", "runs_dir", "base", "grid", "zip", "seeds", "data_order", "metric", "mode", "baseline",
-             "margin", "lr_key", "question", "compare", "slurm")
+             "margin", "lr_key", "question", "compare", "executor", "slurm")
+LEGACY_EXECUTOR_KEYS = ("slurm",)  # executors whose settings older specs give as a top-level key
 DATA_ORDERS = ("seed", "fixed")
 QUESTIONS = ("cells", "lr_sensitivity", "best_lr")
-MODES = ("min", "max")
 _KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]*$")
 # Keys the runner sets itself on every run.
@@ -83,7 +85,12 @@ class Spec:
     lr_key: str | None = None
     question: str = "cells"
     compare: tuple[str, ...] | None = None
-    slurm: dict[str, Any] = field(default_factory=dict)
+    executor: dict[str, dict[str, Any]] = field(default_factory=dict)  # executor name → its settings
+
+    @property
+    def slurm(self) -> dict[str, Any]:
+        """The Slurm executor's settings (training/sweep/slurm.py)."""
+        return self.executor.get("slurm", {})
 
     @property
     def sweep_dir(self) -> Path:
@@ -132,17 +139,6 @@ class Spec:
 def short_names(keys: list[str]) -> dict[str, str]:
     last = [k.rsplit(".", 1)[-1] for k in keys]
     return {k: s if last.count(s) == 1 else k for k, s in zip(keys, last, strict=True)}
-
-
-def format_value(value: Any) -> str:
-    """A value as `fit` parses it (YAML) and as a cell name shows it: 0.003, post, true, null, [1, 2]."""
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (int, float, str)):
-        return repr(value) if isinstance(value, float) else str(value)
-    return json.dumps(value)
 
 
 def _same_value(value: Any) -> Any:
@@ -236,7 +232,7 @@ def load_spec(path: str | Path) -> Spec:
                 baseline=raw.get("baseline"), margin=_margin(path, raw.get("margin")),
                 lr_key=raw.get("lr_key", "optim.lr" if "optim.lr" in grid or "optim.lr" in zipped else None),
                 question=_choice(path, raw, "question", QUESTIONS, "cells"), compare=_names(path, raw.get("compare")),
-                slurm=raw.get("slurm") or {})
+                executor=_executor_settings(path, raw))
     cells = [c for c, _ in spec.cells()]
     if spec.baseline is not None and spec.baseline not in cells:
         raise _fail(path, f"baseline {spec.baseline!r} is not a cell; the cells are: {', '.join(cells)}")
@@ -277,6 +273,26 @@ def _check_question(spec: Spec, cells: list[str]) -> None:
         if name not in valid or name == own:
             raise _fail(spec.path, f"compare entry {name!r} is not a {what} other than the baseline's; choose "
                         f"from: {', '.join(v for v in valid if v != own)}")
+
+
+def _executor_settings(path: Path, raw: dict) -> dict[str, dict[str, Any]]:
+    """`executor: {NAME: {...}}`, with a top-level `slurm: {...}` (the older spelling) read as `executor.slurm`.
+    Which names are executors, and which keys each takes, the executors check (executors.py, slurm.py)."""
+    settings = raw.get("executor") or {}
+    if not isinstance(settings, dict) or not all(isinstance(v, dict) or v is None for v in settings.values()):
+        raise _fail(path, f"executor must map an executor's name to its settings, e.g. {{slurm: {{nodes: 2}}}}, got "
+                    f"{settings!r}")
+    settings = {name: dict(values or {}) for name, values in settings.items()}
+    for name in LEGACY_EXECUTOR_KEYS:
+        if raw.get(name) is None:
+            continue
+        if name in settings:
+            raise _fail(path, f"{name} settings are given twice, as `{name}:` and as `executor: {{{name}: ...}}`; keep "
+                        "one")
+        if not isinstance(raw[name], dict):
+            raise _fail(path, f"{name} must be a mapping of the {name} executor's settings, got {raw[name]!r}")
+        settings[name] = dict(raw[name])
+    return settings
 
 
 def _choice(path: Path, raw: dict, key: str, valid: tuple[str, ...], default: str) -> str:

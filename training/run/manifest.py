@@ -1,9 +1,10 @@
-"""`Manifest`: what `manifest.json` records about a checkpoint directory, typed, with its one reader and writer.
+"""`Manifest`: what `manifest.json` records about a checkpoint directory, typed, with its one reader; and the
+values it records about the code and config that wrote it (`git_revision`, `config_hash`, `versions`).
 
-A directory is complete exactly when it has a manifest (written last, atomically; see layout.py). Every field
-but `step` may be absent in a manifest written by an older normlab, and reads as None (or empty): readers treat
-a missing record as "not checked", never as a match. Keys this version does not know (written by a newer one)
-are kept in `extra` and written back unchanged.
+A directory is complete exactly when it has a manifest (written last, atomically: training/checkpointing/save.py).
+Every field but `step` may be absent in a manifest written by an older normlab, and reads as None (or empty):
+readers treat a missing record as "not checked", never as a match. Keys this version does not know (written by a
+newer one) are kept in `extra` and written back unchanged.
 
 `files` ({relative path: bytes}) and `sha256` ({relative path: hex digest}) cover every file of the directory
 but the manifest itself; `verify_files` checks both before anything is unpickled, so a truncated, missing or
@@ -20,24 +21,24 @@ import dataclasses
 import hashlib
 import json
 import logging
+import platform
+import subprocess
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 from data.atomic import write_text_atomic
+from data.tokenizer import sha256_file
+from training.errors import CheckpointError
+from training.run.layout import LIGHTNING_FILE, MANIFEST
 
 log = logging.getLogger(__name__)
 
-MANIFEST = "manifest.json"
 VERSION = 2  # manifest_version: 2 = every listed file has its sha256 (1, unwritten: sizes, sha256 when present)
 HASH = "sha256"  # faster than blake2b here (hashlib on OpenSSL with SHA extensions), and what the other hashes use
 _CHUNK = 1 << 20
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that is missing, incomplete, unreadable or does not fit this run; the message names the path
-    and the fix."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -48,11 +49,11 @@ class Manifest:
     tokens_seen: int | None = None  # across restarts, also on other world sizes
     world_size: int | None = None
     zero_stage: int | None = None  # None without DeepSpeed
-    precision: dict[str, str] | None = None  # the precision regime (training/strategy.py: precision_record)
+    precision: dict[str, str] | None = None  # the precision regime (training/precision.py: precision_record)
     accumulate_grad_batches: int | None = None
     micro_batch_size: int | None = None
     seq_len: int | None = None
-    config_hash: str | None = None  # layout.config_hash of model_config.json
+    config_hash: str | None = None  # config_hash of model_config.json
     tokenizer_hash: str | None = None  # sha256 of the tokenizer file
     versions: dict[str, str] = field(default_factory=dict)
     git_revision: str | None = None
@@ -101,6 +102,49 @@ class Manifest:
     def write(self, ckpt_dir: str | Path) -> None:
         """Atomically (temporary file, fsync, rename): the manifest marks its directory complete."""
         write_text_atomic(Path(ckpt_dir) / MANIFEST, self.to_json())
+
+
+def load_path(ckpt_dir: Path) -> Path:
+    """What the strategy's loader takes: the directory itself for DeepSpeed, the file inside it otherwise."""
+    return ckpt_dir if Manifest.read(ckpt_dir).deepspeed else ckpt_dir / LIGHTNING_FILE
+
+
+def git_revision(repo: Path | None = None) -> str:
+    """The commit of the code that is running (of `repo`, default this checkout), `-dirty` if tracked files
+    changed; `unknown` outside git."""
+    repo = repo if repo is not None else Path(__file__).resolve().parents[1]
+    def git(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["git", *args], cwd=repo, capture_output=True, text=True, timeout=30)
+
+    try:
+        head = git("rev-parse", "HEAD")
+        if head.returncode != 0:
+            return "unknown"
+        dirty = git("status", "--porcelain", "--untracked-files=no").stdout.strip()
+        return head.stdout.strip() + ("-dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def config_hash(model_config: dict[str, Any]) -> str:
+    """sha256 of the model config in canonical JSON: equal hashes ⇔ the same architecture."""
+    return hashlib.sha256(json.dumps(model_config, sort_keys=True).encode()).hexdigest()
+
+
+def file_hash(path: str | Path | None) -> str | None:
+    if path is None or not Path(path).is_file():
+        return None
+    return sha256_file(path)
+
+
+def versions() -> dict[str, str]:
+    out = {"python": platform.python_version()}
+    for package in ("normlab", "torch", "lightning", "deepspeed"):
+        try:
+            out[package] = metadata.version(package)
+        except metadata.PackageNotFoundError:
+            pass
+    return out
 
 
 def hash_file(path: str | Path) -> str:

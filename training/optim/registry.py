@@ -5,10 +5,12 @@ An entry is a frozen dataclass whose fields are that optimizer's own settings, g
 rest of the training code asks of it instead of its name:
 - `algorithm`: what drives the parameter groups (each group records it under "algorithm");
 - `matrix_algorithm`: what drives the blocks' 2-D matrices instead, if anything else does (their groups are then
-  "<group>/<matrix_algorithm>", `training.optim.param_groups`);
+  "<group>/<matrix_algorithm>", groups.py's `param_groups`);
 - `zero_refusal`: why it cannot run under DeepSpeed ZeRO, if it cannot (`LitLM.configure_optimizers` refuses the
   combination with one line);
-- `build(groups, cfg)`: the `torch.optim.Optimizer` over `param_groups`, one to Lightning.
+- `build(groups, cfg)`: the `torch.optim.Optimizer` over `param_groups`, one to Lightning; `cfg` is anything with
+  AdamW's defaults (`AdamWDefaults`: the run's `OptimConfig`), so this registry needs no import of the config,
+  which looks optimizers up here.
 
 Adding an optimizer is one subclass and one `OPTIMIZERS` entry: `optim.name`'s valid values, its options and their
 checks, the parameter groups, the DeepSpeed check and the registry-driven tests follow.
@@ -21,16 +23,22 @@ from __future__ import annotations
 import dataclasses
 import typing
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal, Protocol
 
 import torch
 
-from training.muon import MuonWithAdamW
-
-if TYPE_CHECKING:
-    from training.optim import OptimConfig
+from training.optim.muon import MuonWithAdamW
 
 OPTIONS = "optim.options"  # where an optimizer's own settings are given
+
+
+class AdamWDefaults(Protocol):
+    """What an optimizer's `build` reads of the run's `optim.*` (config.py's `OptimConfig` has it): the LR every
+    group's own multiplier scales, and AdamW's betas and eps."""
+
+    lr: float
+    betas: tuple[float, float]
+    eps: float
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -47,7 +55,7 @@ class Optimizer:
         for f in dataclasses.fields(self):
             _check_type(f.name, getattr(self, f.name), hints[f.name])
 
-    def build(self, groups: list[dict], cfg: OptimConfig) -> torch.optim.Optimizer:
+    def build(self, groups: list[dict], cfg: AdamWDefaults) -> torch.optim.Optimizer:
         raise NotImplementedError
 
 
@@ -64,7 +72,7 @@ def _check_type(name: str, value: Any, hint: Any) -> None:
         raise ValueError(f"{OPTIONS}.{name}={value!r} must be {kinds[hint][1]}{yaml}")
 
 
-def adamw_settings(cfg: OptimConfig) -> dict[str, Any]:
+def adamw_settings(cfg: AdamWDefaults) -> dict[str, Any]:
     """AdamW's defaults from `optim.*` (each group carries its own lr and weight decay)."""
     return dict(lr=cfg.lr, betas=cfg.betas, eps=cfg.eps)
 
@@ -84,14 +92,14 @@ class AdamW(Optimizer):
 
     algorithm: ClassVar[str] = "adamw"
 
-    def build(self, groups: list[dict], cfg: OptimConfig) -> torch.optim.Optimizer:
+    def build(self, groups: list[dict], cfg: AdamWDefaults) -> torch.optim.Optimizer:
         return torch.optim.AdamW(groups, **adamw_settings(cfg), fused=use_fused(groups))
 
 
 @dataclass(frozen=True, kw_only=True)
 class Muon(Optimizer):
     """torch.optim.Muon on the blocks' 2-D matrices and AdamW on the rest (embeddings, LM head, norms, biases), as
-    modded-nanogpt and nanochat split them, as one optimizer (training/muon.py). Muon's LR is `optim.lr` (× its
+    modded-nanogpt and nanochat split them, as one optimizer (muon.py). Muon's LR is `optim.lr` (× its
     group's lr_mult) adjusted by `adjust_lr`: match_rms_adamw (0.2·√max(fan_out, fan_in): AdamW's update RMS, so one
     `lr` and `weight_decay` serve both) or original (√max(1, fan_out/fan_in), Keller Jordan's)."""
 
@@ -114,7 +122,7 @@ class Muon(Optimizer):
             raise ValueError(f"{OPTIONS} needs 0 <= momentum < 1 and 0 < ns_steps < 100 (optim.name=muon), got "
                              f"momentum={self.momentum}, ns_steps={self.ns_steps}")
 
-    def build(self, groups: list[dict], cfg: OptimConfig) -> torch.optim.Optimizer:
+    def build(self, groups: list[dict], cfg: AdamWDefaults) -> torch.optim.Optimizer:
         muon = dict(lr=cfg.lr, momentum=self.momentum, nesterov=self.nesterov, ns_steps=self.ns_steps,
                     adjust_lr_fn=self.adjust_lr)
         return MuonWithAdamW(groups, adamw=adamw_settings(cfg), muon=muon)

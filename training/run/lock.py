@@ -1,11 +1,13 @@
-"""One writer per run directory: `normlab fit | validate | test` hold `<run dir>/.lock` while they run.
+"""File locks: one writer per run directory (`acquire`), and the flock a sweep's processes take in turn (`locked`).
+
+`normlab fit | validate | test` hold `<run dir>/.lock` while they run.
 
 A second process on the same run directory is refused with one line naming the holder (pid, host, command,
 start time) — two fits on one `--name` would otherwise move each other's in-flight saves aside and purge each
 other's checkpoints. The lock is an `flock` on the file, so the kernel drops it when its holder dies, even by
 `kill -9`: a stale lock file never blocks anyone. The file is removed when its holder ends normally.
 
-Which process holds it: the job's first rank (`is_first_rank`, from the launcher's environment, before any
+Which process holds it: the job's first rank (training/cluster/rank.py, from the launcher's environment, before any
 process group exists). The ranks of one job are one writer — they write disjoint shards and rank 0 alone decides
 about the directory — so a lock per rank would refuse a job's own ranks; every job has a first rank, which tries
 the same file, so one is enough to keep a second job out. A multi-node run on a shared filesystem needs that
@@ -22,24 +24,17 @@ import logging
 import os
 import socket
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from training.errors import UserError
+from training.run.layout import LOCK_FILE
 
 log = logging.getLogger(__name__)
 
-LOCK_FILE = ".lock"
-# Environment variables a launcher sets to a process's rank (torchrun/DeepSpeed: RANK; Lightning's own launcher:
-# LOCAL_RANK and NODE_RANK; srun: SLURM_PROCID; jsrun: JSM_NAMESPACE_RANK). The first rank has 0 in each it sets.
-_RANK_VARS = ("RANK", "LOCAL_RANK", "NODE_RANK", "SLURM_PROCID", "JSM_NAMESPACE_RANK")
 _NO_LOCKS = (errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL)  # a filesystem without flock
-
-
-def is_first_rank() -> bool:
-    """Whether this process is its job's rank 0, from the launcher's environment (every rank variable it set is 0;
-    a plain process sets none)."""
-    return all(os.environ.get(var, "0").strip() in ("0", "") for var in _RANK_VARS)
 
 
 @dataclass
@@ -115,3 +110,21 @@ def _holder(fd: int) -> str:
         return f"pid {record['pid']} on {record['host']}, {record['command']}, since {record['since']}"
     except (OSError, ValueError, KeyError, TypeError):
         return "it is starting"
+
+
+@contextmanager
+def locked(path: Path, blocking: bool = True) -> Iterator[bool]:
+    """An exclusive flock on `path` for the block — a sweep's directory, its state file, its trackers' shared
+    experiment — released by the kernel if the holder dies, even by kill -9; yields whether it was taken (always
+    True when blocking). The file stays: many processes take it in turn."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
+        except BlockingIOError:
+            yield False
+            return
+        yield True
+    finally:
+        os.close(fd)

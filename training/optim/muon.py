@@ -21,9 +21,9 @@ import torch
 
 
 class MuonWithAdamW(torch.optim.Optimizer):
-    """`groups` as `training.optim.param_groups` makes them (each with "algorithm"); `adamw` / `muon`: the two
-    optimizers' defaults (lr, betas, eps / lr, momentum, nesterov, ns_steps, adjust_lr_fn; training/optimizers.py's
-    `Muon` entry builds it from `optim.*` and `optim.options`)."""
+    """`groups` as groups.py's `param_groups` makes them (each with "algorithm"); `adamw` / `muon`: the two
+    optimizers' defaults (lr, betas, eps / lr, momentum, nesterov, ns_steps, adjust_lr_fn; registry.py's `Muon`
+    entry builds it from `optim.*` and `optim.options`)."""
 
     def __init__(self, groups: list[dict], *, adamw: dict[str, Any], muon: dict[str, Any]) -> None:
         muon_groups = [g for g in groups if g["algorithm"] == "muon"]

@@ -1,17 +1,8 @@
 """`RunDir`: a run directory (`runs/<name>/`) and every file normlab writes into it, read through one owner.
 
-    runs/<name>/
-      config.yaml                   the resolved config of the latest start (rewritten by every fit, validate, test)
-      events.out.tfevents.*         TensorBoard events (training/loggers.py): the run's scalars
-      checkpoints/step-XXXXXXXX/    complete checkpoints (training/checkpointing/layout.py), each with its own
-                                    config.yaml, model_config.json and manifest.json (written last)
-      eval/<set>/step-XXXXXXXX.json `normlab evaluate` results, one file per step; eval/<set>.csv rebuilt from them
-                                    (held-out sets: training/eval/history.py; harness tasks: `lm_eval`, eval/tasks.py)
-      sweep-run.json                the last attempt of `normlab sweep` (training/sweep/launch.py): command, outcome
-
-One error behaviour for every reader: a file that is there but cannot be read is one `RunDirError` naming it and
-the fix; a file that is absent reads as "not there" (None or empty) where it is optional, and is the same one-line
-error where the caller needs it. Nothing here writes.
+The files and their names: layout.py. One error behaviour for every reader: a file that is there but cannot be
+read is one `RunDirError` naming it and the fix; a file that is absent reads as "not there" (None or empty) where
+it is optional, and is the same one-line error where the caller needs it. Nothing here writes.
 
 A run is **finished** when its newest complete checkpoint has reached the `trainer.max_steps` that checkpoint was
 trained towards (its own config.yaml, written atomically with it: the run's top-level config.yaml is rewritten at
@@ -30,26 +21,28 @@ from typing import Any
 
 import yaml
 
-from training.checkpointing.layout import (
+from training.errors import CheckpointError
+from training.run.layout import (
     CHECKPOINTS_DIR,
     CONFIG_FILE,
+    EVAL_DIR,
+    EVENTS_GLOB,
+    LOGGERS_FILE,
     MANIFEST,
     MODEL_CONFIG_FILE,
-    CheckpointError,
-    Manifest,
+    REQUEUES_FILE,
+    RUN_RECORD,
     complete_checkpoints,
     step_dirname,
 )
-from training.errors import UserError
+from training.run.manifest import Manifest
+from training.run.membership import SweepRun, sweep_run_of
 
-EVAL_DIR = "eval"
-RUN_RECORD = "sweep-run.json"
-EVENTS_GLOB = "events.out.tfevents.*"
 STATUSES = ("pending", "running", "finished", "diverged", "failed")
 Points = list[tuple[int, float]]
 
 
-class RunDirError(CheckpointError, UserError):
+class RunDirError(CheckpointError):
     """A file of a run (or checkpoint) directory that is needed and missing, or there and unreadable; the
     message names the file and the fix. (A user error to every command, and a CheckpointError to the loaders.)"""
 
@@ -59,28 +52,30 @@ def read_yaml(path: Path, fix: str, required: bool = False) -> dict[str, Any]:
     return _read(path, fix, required, lambda text: yaml.load(text, Loader=_YAML_LOADER))
 
 
-def read_json(path: Path, fix: str, required: bool = False) -> dict[str, Any]:
-    """A JSON object file ({} when absent and not `required`), or one RunDirError naming it and `fix`."""
-    return _read(path, fix, required, json.loads)
+def read_json(path: Path, fix: str, required: bool = False, kind: type = dict) -> Any:
+    """A JSON file holding a `kind` (a mapping, or a list) — empty when absent and not `required` — or one
+    RunDirError naming it and `fix`."""
+    return _read(path, fix, required, json.loads, kind)
 
 
 # libyaml's loader when present: the sweep reads every run's newest config on every state change
 _YAML_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
 
-def _read(path: Path, fix: str, required: bool, parse: Callable[[str], Any]) -> dict[str, Any]:
+def _read(path: Path, fix: str, required: bool, parse: Callable[[str], Any], kind: type = dict) -> Any:
     if not path.is_file():
         if required:
             raise RunDirError(f"'{path}' is missing; {fix}")
-        return {}
+        return kind()
     try:
         data = parse(path.read_text())
     except (OSError, UnicodeDecodeError, ValueError, yaml.YAMLError) as err:  # JSONDecodeError is a ValueError
         raise RunDirError(f"'{path}' cannot be read ({type(err).__name__}: {err}); {fix}") from err
     if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise RunDirError(f"'{path}' holds a {type(data).__name__}, not a mapping; {fix}")
+        return kind()
+    if not isinstance(data, kind):
+        raise RunDirError(f"'{path}' holds a {type(data).__name__}, not a {'mapping' if kind is dict else 'list'}; "
+                          f"{fix}")
     return data
 
 
@@ -230,12 +225,29 @@ class RunDir:
         points = self.scalars.get(tag)
         return float(points[-1][1]) if points else None
 
-    # -- sweep record, evaluation results -----------------------------------------------------------------------
+    # -- sweep record and membership, logger runs, requeues, evaluation results ---------------------------------
     @cached_property
     def record(self) -> dict[str, Any] | None:
         """What `normlab sweep` recorded of the run's last attempt (None for a run it did not start)."""
         record = read_json(self.path / RUN_RECORD, "delete it: the next `normlab sweep` rewrites it")
         return record or None
+
+    @cached_property
+    def sweep(self) -> SweepRun | None:
+        """The run's place in the sweep whose sweep.json (a directory above) lists it; None for a run of no sweep."""
+        return sweep_run_of(self.path)
+
+    @cached_property
+    def logger_runs(self) -> dict[str, Any]:
+        """The W&B and MLflow runs a restart continues ({} before any was recorded; training/loggers.py)."""
+        return read_json(self.path / LOGGERS_FILE, "delete it: the next fit starts new W&B / MLflow runs and "
+                         "records them")
+
+    @cached_property
+    def requeues(self) -> list[dict[str, Any]]:
+        """The Slurm requeues of this run, oldest first ([] before any; training/cluster/requeue.py)."""
+        return read_json(self.path / REQUEUES_FILE, "delete it: it only bounds the requeues of a run that makes no "
+                         "progress (cluster.max_requeues)", kind=list)
 
     @property
     def eval_dir(self) -> Path:

@@ -1,4 +1,4 @@
-"""`CollectiveTimeout`: the run's collective timeout (`cluster.timeout_s`, training/cluster.py) on every process
+"""`CollectiveTimeout`: the run's collective timeout (`cluster.timeout_s`, config.py) on every process
 group. The strategy's default group gets it at start-up; the groups made later without a timeout — DeepSpeed's
 among them — would get the backend's default (gloo: 30 minutes), so once training starts, with every group made,
 each is given the run's."""

@@ -1,7 +1,7 @@
 """normlab's stop requests: SIGTERM (pre-emption, `kill`, `scancel`), Ctrl-C, and the cluster's warning signal
 (SIGUSR1 by default: what Slurm's `--signal=USR1@T` sends T seconds before the time limit). Each makes the run
 finish its optimizer step, save it and exit; after the warning the run also asks to be requeued
-(training/cluster.py), after SIGTERM or Ctrl-C it does not (a pre-empted job comes back if Slurm requeues it).
+(training/cluster/stop.py), after SIGTERM or Ctrl-C it does not (a pre-empted job comes back if Slurm requeues it).
 
 A handler only records the signal. Lightning's own handlers are never installed (`compat.own_signals`): Lightning
 2.6 broadcasts from inside its SIGTERM handler, and its SLURM auto-requeue handler saves a checkpoint (a

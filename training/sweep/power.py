@@ -48,7 +48,7 @@ def _row(name: str, sd: float, n_pilot: int | str, n: int, margin: float, level:
             f"{need_eq or '> 1000'} |")
 
 
-def plan(spec: Spec, pilot: Path | None = None, sd: float | None = None) -> str:
+def seeds_needed_table(spec: Spec, pilot: Path | None = None, sd: float | None = None) -> str:
     """The plan's text (a Markdown table and a recommendation)."""
     if spec.baseline is None or spec.margin is None:
         raise UserError(f"--plan: the spec '{spec.path}' needs a baseline and a margin (the smallest difference that "

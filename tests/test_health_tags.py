@@ -1,0 +1,56 @@
+"""The training-health tags have one owner (training/health_tags.py): every tag the probes and the health callback
+write is one of its families, each family is written, and no reader in training/ spells a tag itself."""
+from __future__ import annotations
+
+import ast
+import re
+
+import torch
+
+from model import ModelConfig, Transformer
+from model.probes import gain_stats, gain_tags, grad_norms, record
+from tests.helpers.multiproc import REPO
+from training import health_tags as T
+from training.callbacks.health import TrainingHealth
+
+
+def written_tags() -> set[str]:
+    """Every tag a metrics step writes for a tiny QK-normed model: the recorder's, the gradient norms, the norm
+    gains' and the health callback's parameter statistics."""
+    cfg = ModelConfig.preset("qwen3", vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=16)
+    model = Transformer(cfg)
+    tokens = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(0))
+    with record(model) as rec:
+        model(tokens[:, :-1], targets=tokens[:, 1:]).backward()
+    tags = set(rec.scalars()) | set(grad_norms(model))
+    for name, p in model.named_parameters():
+        if name in gain_tags(model):
+            tags |= set(gain_stats(p.detach(), *gain_tags(model)[name]))
+    return tags | set(TrainingHealth()._param_stats(model, deepspeed=False))
+
+
+def test_every_written_tag_is_a_family_of_the_vocabulary_and_every_family_is_written():
+    layer = "|".join(re.escape(f) for f in T.LAYER_FAMILIES)
+    once = [T.FINAL_IN, T.GRAD_GLOBAL, *(f"{f}/final_in" for f in (T.MAX_OVER_RMS, T.KURTOSIS))]
+    patterns = [rf"({layer})/L\d+", *map(re.escape, once), rf"{T.GRAD_NORM}/\w+",
+                rf"({T.GAIN_MEAN}|{T.GAIN_MAX})/(\w+/L\d+|final)", rf"{T.QK_GAIN}/(q|k)/(mean|max|min)/L\d+"]
+    tags = written_tags()
+    assert [t for t in tags if not any(re.fullmatch(p, t) for p in patterns)] == []
+    assert [f for f in T.LAYER_FAMILIES if not T.by_layer(tags, f)] == []
+
+
+def _spelled(path) -> list[str]:
+    """The string constants of a module that spell a health tag (docstrings and comments aside)."""
+    tree = ast.parse(path.read_text())
+    docs = {id(n.body[0].value) for n in ast.walk(tree) if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef))
+            and n.body and isinstance(n.body[0], ast.Expr) and isinstance(n.body[0].value, ast.Constant)}
+    prefixes = ("resid/", "attn/", "outlier/", "norm/gain", "grad/norm", "grad/global", "param/norm", "qk_gain/")
+    return [f"{path.relative_to(REPO)}:{n.lineno}: {n.value}" for n in ast.walk(tree)
+            if isinstance(n, ast.Constant) and isinstance(n.value, str) and id(n) not in docs
+            and any(p in n.value for p in prefixes)]
+
+
+def test_no_reader_spells_a_health_tag():
+    spelled = [s for p in sorted((REPO / "training").rglob("*.py")) if p.name != "health_tags.py"
+               for s in _spelled(p)]
+    assert spelled == []

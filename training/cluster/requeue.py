@@ -1,0 +1,51 @@
+"""Requeueing a Slurm job whose run was stopped short (the warning signal, a lost rank), bounded: the requeues of a
+run are recorded in `<run dir>/requeues.json` (job, restart, step, reason, time; read through `RunDir.requeues`)."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import time
+from pathlib import Path
+
+from data.atomic import write_text_atomic
+from training.run.dir import RunDir
+from training.run.layout import REQUEUES_FILE
+
+log = logging.getLogger(__name__)
+
+
+def requeue(run_dir: Path, step: int, reason: str, max_requeues: int) -> bool:
+    """Ask Slurm to requeue this job (`scontrol requeue $SLURM_JOB_ID`), to resume the run in `run_dir` from its
+    checkpoint at `step` — unless it has been requeued `max_requeues` times in a row without getting past `step`.
+    One log line either way; returns whether the job was requeued."""
+    job = os.environ.get("SLURM_JOB_ID")
+    if job is None:
+        log.warning("%s at step %d, but this is not a Slurm job: not requeued (resume with --ckpt_path last)",
+                    reason, step)
+        return False
+    history = list(RunDir(run_dir).requeues)
+    stalled = 0
+    for entry in reversed(history):
+        if entry["step"] < step:
+            break
+        stalled += 1
+    if stalled >= max_requeues:
+        log.error("%s: requeued %d times in a row without getting past step %d; not requeued again (the run's log "
+                  "says why; cluster.max_requeues allows more)", run_dir, stalled, step)
+        return False
+    history.append({"job": job, "restart": int(os.environ.get("SLURM_RESTART_COUNT", "0")), "step": step,
+                    "reason": reason, "time": time.time()})
+    write_text_atomic(Path(run_dir) / REQUEUES_FILE, json.dumps(history, indent=1) + "\n")
+    # Logged first: a successful requeue ends this job at once (Slurm signals its processes).
+    log.info("%s at step %d: requeueing job %s (restart %d)", reason, step, job, len(history))
+    try:
+        out = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True)
+    except FileNotFoundError:
+        log.error("scontrol is not on the PATH: job %s not requeued (resume with --ckpt_path last)", job)
+        return False
+    if out.returncode != 0:
+        log.error("scontrol requeue %s failed: %s", job, " ".join(out.stderr.split()))
+        return False
+    return True

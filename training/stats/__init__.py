@@ -1,0 +1,90 @@
+"""Seed statistics for every verdict normlab gives — the study's claims and a sweep's cells — in one place.
+
+Every number a verdict uses is a sample over seeds:
+- `estimate(xs)`: mean, sd and a t-interval of one statistic;
+- `paired_difference(a, b)`: the mean of the per-seed differences a_i − b_i with its t-interval — for arms that
+  share a seed (same initialization, same batches), where the seed's own effect cancels;
+- `difference(a, b)`: the Welch interval of mean(a) − mean(b), for arms that share nothing.
+
+An `Estimate` carries its samples, standard error and degrees of freedom, so it gives its interval at any level,
+the p-values of the t-tests below and of their distribution-free twins (`sign_flip_p`: the exact sign-flip
+permutation test of the per-seed differences). A comparison against a practical-significance margin m (the
+smallest effect of interest, fixed before any run) has four outcomes:
+
+- EQUIVALENT — the difference is inside ±m (two one-sided tests: both `d > −m` and `d < m` rejected at α/2 each,
+  i.e. for a single comparison the (1−α) interval lies inside (−m, m)): a measured null;
+- BETTER / WORSE — otherwise, when "no difference" is rejected at α (the (1−α) interval excludes 0), by the sign
+  of the difference and which direction is better;
+- INCONCLUSIVE — neither: the difference is within its noise.
+
+Multiplicity: `judge_family` adjusts each family of p-values with Holm's step-down procedure, so within one
+family the chance of any false BETTER/WORSE (or any false EQUIVALENT) stays ≤ α. A family is one question — a
+study claim's primaries, a sweep's compared cells — never everything a command happened to run, so a verdict
+does not depend on what else was run. Across families (a study's claims) `benjamini_hochberg` gives q-values that
+bound the expected share of false findings on a scorecard. Power and the minimum detectable effect are given at
+the level the family's smallest p must beat (α/k).
+
+A run that diverged is an outcome, not a number: it counts as worse than any run that trained. A comparison
+with seeds where only one arm diverged is decided by the exact sign-flip test of the signed ranks of every
+seed's difference (diverged = worst), so agreeing evidence from both kinds of seed adds up; the t-interval over
+the seeds where both trained is shown beside it. A run's outcome (trains / stalled / diverged) is
+`training_outcome` of its losses. The learning-rate statistics (`initial_loss_cap`, `lr_sensitivity`,
+`best_index`, `crossfit_best`, `best_lr_bootstrap`) are defined here once for the study and the sweeps.
+
+By topic: estimates.py (`Estimate` and the intervals), power.py (power, the minimum detectable effect, the seeds
+a question needs), verdicts.py (the tests, the four outcomes, Holm and Benjamini–Hochberg) and lr.py (a run's
+outcome and the learning-rate statistics); every name is importable from `training.stats`.
+"""
+
+from __future__ import annotations
+
+from training.stats.estimates import (
+    ALPHA,
+    Estimate,
+    difference,
+    estimate,
+    no_estimate,
+    paired_difference,
+    slope,
+    t_quantile,
+)
+from training.stats.lr import (
+    MODES,
+    STALL_NATS,
+    best_index,
+    best_lr_bootstrap,
+    capped_loss,
+    crossfit_best,
+    initial_loss_cap,
+    lr_sensitivity,
+    training_outcome,
+)
+from training.stats.power import min_detectable, power_at, seeds_needed
+from training.stats.verdicts import (
+    BETTER,
+    COMPARISONS,
+    EQUIVALENT,
+    EXACT_FLIPS,
+    FAIL,
+    INCONCLUSIVE,
+    P_KEYS,
+    PASS,
+    SAMPLED_FLIPS,
+    WORSE,
+    Judgement,
+    benjamini_hochberg,
+    comparison_verdict,
+    holm,
+    judge,
+    judge_family,
+    p_values,
+    sign_flip_p,
+    with_divergences,
+)
+
+__all__ = ["ALPHA", "BETTER", "COMPARISONS", "EQUIVALENT", "EXACT_FLIPS", "Estimate", "FAIL", "INCONCLUSIVE",
+           "Judgement", "MODES", "PASS", "P_KEYS", "SAMPLED_FLIPS", "STALL_NATS", "WORSE",
+           "benjamini_hochberg", "best_index", "best_lr_bootstrap", "capped_loss", "comparison_verdict",
+           "crossfit_best", "difference", "estimate", "holm", "initial_loss_cap", "judge", "judge_family",
+           "lr_sensitivity", "min_detectable", "no_estimate", "p_values", "paired_difference", "power_at",
+           "seeds_needed", "sign_flip_p", "slope", "t_quantile", "training_outcome", "with_divergences"]

@@ -173,3 +173,31 @@ def test_closing_lines_continue_a_stopped_run_as_it_is(tmp_path):
     assert stopped[-1].endswith("normlab fit -c c.yaml --ckpt_path last")
     assert finished[-1].endswith("--ckpt_path last --trainer.max_steps 600")
     assert f"normlab evaluate --checkpoint {ckpt}" in stopped[-2]
+
+
+# ModelConfig fields the summary's first three lines cover, and those it leaves to config.yaml. With MORE_AXES
+# (the `also:` line) they must be every field, so a new field is a deliberate choice here.
+SHOWN = {"vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "mlp", "max_seq_len", "tie_embeddings",
+         "norm", "norm_eps", "placement", "qk_norm", "final_norm", "init", "init_std", "branch_scale_init",
+         "dyt_alpha"}
+NOT_SHOWN = {"head_dim", "rope_theta", "rope_type", "rope_factor", "rope_low_freq_factor", "rope_high_freq_factor",
+             "rope_original_max_seq_len", "bias", "norm_offset", "norm_cast", "kernels", "logit_softcap",
+             "attn_softcap", "parametrization", "mup_base_width", "mup_base_head_dim"}
+
+
+def test_the_summary_names_the_newer_axes_only_when_they_are_set():
+    import dataclasses
+
+    from model import ModelConfig, Transformer
+    from training.callbacks.summary import MORE_AXES, summary_lines
+
+    fields = {f.name for f in dataclasses.fields(ModelConfig)}
+    assert SHOWN | NOT_SHOWN | set(MORE_AXES) == fields and not (SHOWN | NOT_SHOWN) & set(MORE_AXES)
+    tiny = dict(vocab_size=64, dim=32, n_layers=2, n_heads=4)
+    assert len(summary_lines(Transformer(ModelConfig(**tiny)), ModelConfig(**tiny))) == 3
+    cfg = ModelConfig(**tiny, residual_scale="deepnorm", branch_scale="scalar", attn_sink="learnable",
+                      norm="dyt", dyt_alpha={"attn": 0.8, "mlp": 0.2, "final": 0.2})
+    lines = summary_lines(Transformer(cfg), cfg)
+    assert lines[3] == ("also: residual_scale deepnorm · branch_scale scalar (init 0) · attn_sink learnable · "
+                        "dyt_alpha {'attn': 0.8, 'mlp': 0.2, 'final': 0.2}")
+    assert "scalars 12" in lines[0]  # 4 branch scales and 2 × 4 sink logits, not counted as attention or MLP

@@ -15,9 +15,10 @@ from training.callbacks.health import TrainingHealth
 
 
 def written_tags() -> set[str]:
-    """Every tag a metrics step writes for a tiny QK-normed model: the recorder's, the gradient norms, the norm
-    gains' and the health callback's parameter statistics."""
-    cfg = ModelConfig.preset("qwen3", vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=16)
+    """Every tag a metrics step writes for a tiny QK-normed model with a learnable sink and an output gate: the
+    recorder's, the gradient norms, the norm gains' and the health callback's parameter statistics."""
+    cfg = ModelConfig.preset("qwen3", vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=16,
+                             attn_sink="learnable", attn_gate="head")
     model = Transformer(cfg)
     tokens = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(0))
     with record(model) as rec:

@@ -73,6 +73,27 @@ def test_norm_kind_changes(norm):
     assert kl(src, model)["surgery/kl"] > 0
 
 
+def test_the_newer_fields_start_as_the_new_model_builds_them():
+    """Surgery onto the 2024–2026 fields: a parameter the source lacks starts at its initialization (a branch scale
+    at branch_scale_init, a sink logit at 0, Derf's α at its location's α₀ and its shift at 0, an l2 temperature at
+    √D); a matrix the source lacks (an output gate) is refused."""
+    src = source_model()
+    model, report = after_surgery(src, norm="derf", dyt_alpha={"attn": 0.8, "mlp": 0.2, "final": 0.4},
+                                  branch_scale="vector", branch_scale_init=0.1, attn_sink="learnable",
+                                  qk_norm_kind="l2")
+    assert torch.equal(model.layers[1].mlp_res.branch_scale, torch.full((32,), 0.1))
+    assert report.initialized["layers.1.mlp_res.branch_scale"] == "0.1"
+    assert torch.equal(model.layers[0].attn.sink.logit, torch.zeros(4)) and model.norm.shift.item() == 0.0
+    assert model.norm.alpha.item() == pytest.approx(0.4) and report.initialized["norm.alpha"] == \
+        "model.dyt_alpha (0.4)"
+    assert report.initialized["layers.0.mlp_res.norm_in.alpha"] == "model.dyt_alpha (0.2)"
+    assert model.layers[0].attn.q_norm.temperature.item() == pytest.approx(12 ** 0.5)  # √head_dim
+    assert torch.equal(model.norm.weight, src.norm.weight)  # RMSNorm's gain becomes Derf's γ
+    cfg = src.cfg.replace(attn_gate="head")
+    with pytest.raises(UserError, match=r"'layers.0.attn.gate_proj.weight' is not in the source and is not a norm"):
+        transfer(src.state_dict(), src.cfg, Transformer(cfg), cfg)
+
+
 def test_a_changed_size_is_refused():
     src = source_model()
     cfg = src.cfg.replace(ffn_dim=96)

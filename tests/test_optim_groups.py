@@ -74,6 +74,26 @@ def test_kinds_tell_the_head_and_dyt_alpha_apart():
     assert "head" not in tied.values()  # a tied head is the embedding
 
 
+def test_the_newer_scalars_have_kinds_of_their_own_no_decay_and_no_muon():
+    """Branch scales, sink logits, an l2 QK-norm's temperature and Derf's α are kinds the model's modules declare
+    (`param_kinds`): a group can select them, they do not decay by default, and Muon never drives them."""
+    model = tiny(norm="derf", bias=False, branch_scale="vector", branch_scale_init=0.1, attn_sink="learnable",
+                 qk_norm="head", qk_norm_kind="l2", attn_gate="head")
+    kinds = {n: k for n, _, k in named_kinds(model)}
+    assert kinds["layers.0.attn_res.branch_scale"] == "branch_scale" and kinds["layers.1.attn.sink.logit"] == \
+        "attn_sink" and kinds["layers.0.attn.q_norm.temperature"] == "qk_temperature"
+    assert kinds["norm.alpha"] == "dyt_alpha" and kinds["norm.shift"] == "norm"
+    assert kinds["layers.0.attn.gate_proj.weight"] == "weight"  # a matrix like the others
+    cfg = OptimConfig(name="muon", lr=1e-2, weight_decay=0.1, groups={"g": {"kind": "branch_scale", "lr_mult": 10.0}})
+    groups = {g["name"]: g for g in param_groups(model, cfg)}
+    in_group = {id(p): name for name, g in groups.items() for p in g["params"]}
+    assert in_group[id(model.layers[0].mlp_res.branch_scale)] == "g" and groups["g"]["lr"] == pytest.approx(0.1)
+    assert groups["g"]["weight_decay"] == 0.0
+    for name in ("layers.1.attn.sink.logit", "layers.0.attn.q_norm.temperature", "norm.alpha"):
+        assert in_group[id(model.get_parameter(name))] == "no_decay", name
+    assert in_group[id(model.layers[0].attn.gate_proj.weight)] == "decay/muon"
+
+
 @pytest.mark.parametrize(("groups", "message"), [
     ({"x": {"pattern": "nothing_like_this"}}, r"optim.groups.x \(pattern='nothing_like_this'\) matches no parameter"),
     ({"x": {"kind": "dyt_alpha"}}, r"optim.groups.x \(kind='dyt_alpha'\) matches no parameter"),

@@ -234,6 +234,10 @@ def test_a_short_fit_logs_the_telemetry_the_outliers_layout_and_the_depth_profil
     outliers = next(c for c in layout.category if c.title == "Outliers")
     regexes = [chart.multiline.tag[0] for chart in outliers.chart]
     assert all(any(re.fullmatch(r, t) for t in tags) for r in regexes), regexes  # every chart has data
+    from training.callbacks.health import layout
+
+    sunk = [*layout(lit.config.replace(attn_sink="learnable", attn_gate="head"))["Outliers"]]
+    assert len(sunk) == len(regexes) + 2 and "explicit sink's share (attn_sink)" in sunk
 
     trainer.save_checkpoint(tmp_path / "last.ckpt")
     state = torch.load(tmp_path / "last.ckpt", weights_only=True)["callbacks"]["TrainingHealth"]

@@ -66,3 +66,15 @@ def test_z_loss_is_logged_and_train_loss_stays_the_cross_entropy(tmp_path):
         row = next(r for r in csv.DictReader(f) if r.get("train/z_loss"))
     assert float(row["train/z_loss"]) == pytest.approx(z, rel=1e-4)
     assert float(row["train/loss"]) == pytest.approx(ce, rel=1e-4)
+
+
+def test_the_newer_norm_fields_train_through_lightning_with_probes(tmp_path):
+    """The 2024–2026 fields together in a real Lightning fit with the probes on every step: the loss stays finite,
+    and the sink and gate telemetry is logged for every layer."""
+    seen, rows = _fit_with_hook(tmp_path, compile=False, probes=True, norm="derf", mix_ln=0.5, branch_scale="scalar",
+                                branch_scale_init=0.5, residual_scale="deepnorm", embed_norm=True, qk_norm="head",
+                                qk_norm_kind="l2", sub_norm=True, attn_gate="head", attn_sink="learnable")
+    losses = [float(row["train/loss"]) for row in rows if row.get("train/loss")]
+    assert len(losses) == STEPS and all(torch.isfinite(torch.tensor(losses)))
+    for tag in ("attn/sink_logit_mass/L1", "attn/gate_mean/L0", "resid/update_ratio/mlp/L1"):
+        assert sum(bool(row.get(tag)) for row in rows) == STEPS, tag

@@ -27,6 +27,8 @@ ATTN_ENTROPY = "attn/entropy"
 ATTN_SATURATED = "attn/saturated_frac"
 ATTN_MAX_LOGIT = "attn/max_logit"
 SINK_MASS = "attn/sink_mass"  # the probability on key 0
+SINK_LOGIT_MASS = "attn/sink_logit_mass"  # the explicit sink's share (model.attn_sink), 1 − Σ p over the keys
+GATE_MEAN = "attn/gate_mean"  # the mean output-gate value σ(x W_g) (model.attn_gate)
 WORST = "_worst"
 # outliers of the stream entering block l (`<family>/final_in`: the final norm's input)
 OUTLIER = "outlier/"  # every outlier family
@@ -43,8 +45,8 @@ QK_GAIN = "qk_gain"  # /<q|k>/<mean|max|min>/L<l>
 # every family that has one tag per layer (what model/probes.py and the health callback write)
 LAYER_FAMILIES = (RESID_RMS, RESID_RMS_OUT, *(f"{f}/{s}" for f in (UPDATE_RMS, UPDATE_RATIO, READ_RMS)
                                              for s in SUBLAYERS),
-                  *(f + w for f in (ATTN_MAX_PROB, ATTN_ENTROPY, ATTN_SATURATED, ATTN_MAX_LOGIT, SINK_MASS)
-                    for w in ("", WORST)),
+                  *(f + w for f in (ATTN_MAX_PROB, ATTN_ENTROPY, ATTN_SATURATED, ATTN_MAX_LOGIT, SINK_MASS,
+                                    SINK_LOGIT_MASS) for w in ("", WORST)), GATE_MEAN,
                   MAX_OVER_RMS, KURTOSIS, GRAD_NORM, PARAM_NORM)
 
 

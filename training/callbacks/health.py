@@ -63,11 +63,23 @@ LAYOUT = {
         "stream excess kurtosis (per token, over features)": rf"{T.KURTOSIS}/(L\d+|final_in)",
         "attention sink: probability on key 0 (mean over heads)": layer_pattern(T.SINK_MASS),
         "sink mass, largest head": layer_pattern(T.SINK_MASS + T.WORST),
+        "explicit sink's share (attn_sink)": layer_pattern(T.SINK_LOGIT_MASS),
+        "attention output gate, mean σ (attn_gate)": layer_pattern(T.GATE_MEAN),
         "norm gains: mean |γ|": rf"{T.GAIN_MEAN}/.+",
         "norm gains: max |γ|": rf"{T.GAIN_MAX}/.+",
     },
 }
+# Charts whose tags only some models write, with the model fields that make them: others leave them out (an empty
+# panel says nothing).
+NEEDS = {"explicit sink's share (attn_sink)": lambda cfg: cfg.attn_sink != "none",
+         "attention output gate, mean σ (attn_gate)": lambda cfg: cfg.attn_gate != "none"}
 PROFILE_TAG = "profile/depth"  # the depth-profile image
+
+
+def layout(cfg: Any) -> dict[str, dict[str, str]]:
+    """LAYOUT for a model of config `cfg`: the charts of NEEDS only where `cfg` writes their tags."""
+    return {category: {title: regex for title, regex in charts.items() if title not in NEEDS or NEEDS[title](cfg)}
+            for category, charts in LAYOUT.items()}
 
 
 class TrainingHealth(Callback):
@@ -95,7 +107,7 @@ class TrainingHealth(Callback):
         writer = self._writer(trainer)
         if writer is not None and self.every_n_steps:
             writer.add_custom_scalars({chart: {title: ["Multiline", [regex]] for title, regex in charts.items()}
-                                       for chart, charts in LAYOUT.items()})
+                                       for chart, charts in layout(pl_module.config).items()})
 
     # -- probes around the first micro-batch of a metrics step ---------------------------------------------
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:

@@ -10,6 +10,10 @@ parameters are, so that is what it shows:
     4 layers, dim 256, 8 heads (8 KV), MLP swiglu 704, vocab 8192, context 256
     norm rmsnorm (eps 1e-05) · placement pre · QK-norm none · final norm yes · init normal (std 0.02)
 
+and, when any of the newer axes (the stream's scalars, depth-aware and per-sublayer placements, embedding norms,
+weightless norms, QK-norm kinds, sub-norms, attention gates and sinks) differs from its default, one more line with
+just those, e.g. `also: residual_scale deepnorm · branch_scale scalar (init 0) · attn_sink learnable`.
+
 `closing_lines` is the run's last word: where everything went and the commands that come next.
 """
 from __future__ import annotations
@@ -29,10 +33,14 @@ from training.run import layout
 log = logging.getLogger(__name__)
 
 # Parameter groups by name (model/transformer.py's module names), first match wins: a norm inside attention
-# (QK-norm) or a residual placement counts as a norm.
-GROUPS = (("norms", "norm"), ("embedding", "tok_embeddings"), ("attention", "attn"), ("MLP", "mlp"),
-          ("head", "output"))
-ORDER = ("embedding", "attention", "MLP", "norms", "head", "other")  # as the model computes
+# (QK-norm) or a residual placement counts as a norm; a branch scale or a sink logit as a scalar.
+GROUPS = (("norms", "norm"), ("scalars", "branch_scale"), ("scalars", ".sink."), ("embedding", "tok_embeddings"),
+          ("attention", "attn"), ("MLP", "mlp"), ("head", "output"))
+ORDER = ("embedding", "attention", "MLP", "norms", "scalars", "head", "other")  # as the model computes
+# The norm axes the third line does not show, named on a fourth when they differ from their defaults (every other
+# ModelConfig field is a size or a setting of a line above: tests/test_console.py holds the list to that).
+MORE_AXES = ("placement_mlp", "mix_ln", "residual_scale", "branch_scale", "norm_depth_scale", "embed_norm",
+             "embed_scale", "norm_affine", "qk_norm_kind", "sub_norm", "attn_gate", "attn_sink")
 
 
 def _numel(p: torch.Tensor) -> int:
@@ -61,7 +69,22 @@ def summary_lines(model: torch.nn.Module, cfg: ModelConfig) -> list[str]:
         f"{cfg.hidden_dim}, vocab {cfg.vocab_size}, context {cfg.max_seq_len}",
         f"norm {cfg.norm} (eps {cfg.norm_eps:g}) · placement {cfg.placement} · QK-norm {cfg.qk_norm} · final norm "
         f"{'yes' if cfg.has_final_norm else 'no'} · init {cfg.init} (std {cfg.init_std:g})",
+        *more_axes_line(cfg),
     ]
+
+
+def more_axes_line(cfg: ModelConfig) -> list[str]:
+    """The `also:` line (see the module docstring): the MORE_AXES that differ from their defaults, or nothing."""
+    default = ModelConfig()
+    shown = []
+    for name in MORE_AXES:
+        value = getattr(cfg, name)
+        if value != getattr(default, name):
+            extra = f" (init {cfg.branch_scale_init:g})" if name == "branch_scale" else ""
+            shown.append(f"{name} {value}{extra}")
+    if isinstance(cfg.dyt_alpha, dict) and cfg.norm in ("dyt", "derf"):
+        shown.append(f"dyt_alpha {cfg.dyt_alpha}")
+    return [f"also: {' · '.join(shown)}"] if shown else []
 
 
 class NormSummary(ModelSummary):

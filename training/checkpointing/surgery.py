@@ -8,7 +8,9 @@
 | norm gain (`weight`), not in source    | 1 (0 with `norm_offset`: an effective gain of 1)                  |
 | a bias (norm, DyT, or linear layers     | 0                                                                 |
 | with `bias` on), not in source         |                                                                   |
-| DyT α, not in source                   | `model.dyt_alpha`                                                 |
+| DyT/Derf α, not in source              | `model.dyt_alpha` (its value at that location)                    |
+| any other norm parameter or declared   | as the new model builds it (Derf's shift 0, a branch scale's      |
+| scalar (`param_kinds`), not in source  | `branch_scale_init`, a sink logit 0, an l2 temperature √D)        |
 | `output.weight` of an untied model     | the source's (tied) embedding                                     |
 | anything else not in the source        | refused: surgery changes norms, not sizes or matrices             |
 Source parameters the target has no place for (a placement's norms moved, a final norm removed, LayerNorm's
@@ -28,7 +30,7 @@ import torch
 from torch import nn
 
 from model import ModelConfig
-from model.norms import DyT, Norm
+from model.norms import Norm
 from training.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -50,26 +52,34 @@ class Transfer:
                 f"({', '.join(self.dropped) or 'none'})")
 
 
-def _norm_params(model: nn.Module) -> dict[str, tuple[Norm, str]]:
-    """Every norm parameter of `model`: name → (its norm module, its attribute name)."""
+def _norm_params(model: nn.Module) -> dict[str, tuple[nn.Module, str]]:
+    """Every parameter surgery may add: a norm's, or a scalar a module declares (`param_kinds`: a branch scale, a
+    sink logit, an l2 QK-norm's temperature): name → (its module, its attribute name)."""
     out = {}
     for prefix, module in model.named_modules():
-        if isinstance(module, Norm):
-            for attr, _ in module.named_parameters(recurse=False):
+        declared = getattr(module, "param_kinds", {})
+        for attr, _ in module.named_parameters(recurse=False):
+            if isinstance(module, Norm) or attr in declared:
                 out[f"{prefix}.{attr}" if prefix else attr] = (module, attr)
     return out
 
 
-def _declared(cfg: ModelConfig, norm: Norm | None, attr: str, name: str) -> tuple[float, str]:
+def _declared(param: nn.Parameter, owner: nn.Module | None, attr: str, name: str) -> tuple[torch.Tensor, str]:
+    """What a parameter the source lacks starts as: its value as the new model builds it (its initialization, the
+    table above), and how to say so."""
     if name.endswith(".bias"):  # norms' β, and linear layers' biases with `bias` switched on: adds nothing yet
-        return 0.0, "0"
-    if norm is None:
+        return torch.zeros_like(param), "0"
+    if owner is None:
         raise UserError(f"--init_from: parameter {name!r} is not in the source and is not a norm parameter; "
                         "surgery changes normalization fields only (keep the source's sizes and MLP)")
-    if isinstance(norm, DyT) and attr == "alpha":
-        return cfg.dyt_alpha, f"model.dyt_alpha ({cfg.dyt_alpha})"
-    offset = getattr(norm, "offset", False)
-    return (0.0, "0 (gain 1 + w = 1)") if offset else (1.0, "1")
+    value = param.detach().clone()
+    shown = f"{value.flatten()[0].item():g}" if value.numel() and bool((value == value.flatten()[0]).all()) else \
+        "as built"
+    if attr == "alpha" and getattr(owner, "param_kinds", {}).get(attr) == "dyt_alpha":
+        return value, f"model.dyt_alpha ({shown})"
+    if attr == "weight" and isinstance(owner, Norm):
+        return value, "0 (gain 1 + w = 1)" if getattr(owner, "offset", False) else "1"
+    return value, shown
 
 
 def _gathered(param: nn.Parameter) -> contextlib.AbstractContextManager:
@@ -89,8 +99,8 @@ def transfer(source: dict[str, torch.Tensor] | None, src_cfg: ModelConfig, model
     names = dict(model.named_parameters())
     for name, param in names.items():
         with _gathered(param), torch.no_grad():
-            norm, attr = norms.get(name, (None, ""))
-            value = _value(name, source, src_cfg, cfg, norm, attr, report) if writer else None
+            owner, attr = norms.get(name, (None, ""))
+            value = _value(name, param, source, src_cfg, cfg, owner, attr, report) if writer else None
             if value is None:
                 continue
             if isinstance(value, torch.Tensor) and value.shape != param.shape:
@@ -105,11 +115,11 @@ def transfer(source: dict[str, torch.Tensor] | None, src_cfg: ModelConfig, model
     return report
 
 
-def _value(name: str, source: dict[str, torch.Tensor], src_cfg: ModelConfig, cfg: ModelConfig, norm: Norm | None,
-           attr: str, report: Transfer) -> torch.Tensor | float:
+def _value(name: str, param: nn.Parameter, source: dict[str, torch.Tensor], src_cfg: ModelConfig, cfg: ModelConfig,
+           owner: nn.Module | None, attr: str, report: Transfer) -> torch.Tensor | float:
     if name in source:
         value = source[name]
-        if norm is not None and attr == "weight" and src_cfg.norm_offset != cfg.norm_offset:
+        if isinstance(owner, Norm) and attr == "weight" and src_cfg.norm_offset != cfg.norm_offset:
             value = value - 1.0 if cfg.norm_offset else value + 1.0  # keep the effective gain (1 + w) = w'
             report.converted.append(name)
         report.copied.append(name)
@@ -117,7 +127,7 @@ def _value(name: str, source: dict[str, torch.Tensor], src_cfg: ModelConfig, cfg
     if name == "output.weight" and src_cfg.tie_embeddings:  # untying: the head starts as the tied embedding
         report.initialized[name] = "the source's tied embedding"
         return source["tok_embeddings.weight"]
-    fill, how = _declared(cfg, norm, attr, name)
+    fill, how = _declared(param, owner, attr, name)
     report.initialized[name] = how
     return fill
 

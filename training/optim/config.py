@@ -23,10 +23,15 @@ from training.optim.registry import Optimizer, lookup
 
 SCHEDULES = ("cosine", "linear", "constant", "wsd")
 DECAY_SHAPES = ("linear", "cosine", "1-sqrt")
-# norm: gains (and LayerNorm's / DyT's β); dyt_alpha: DyT's scalar α; head: an untied LM head; weight: the blocks'
-# matrices. As `no_decay` entries, "norm" also covers dyt_alpha and "weight" the head (KIND_PARENT).
-PARAM_KINDS = ("norm", "dyt_alpha", "bias", "embedding", "head", "weight")
-KIND_PARENT = {"dyt_alpha": "norm", "head": "weight"}
+# norm: gains (and LayerNorm's / DyT's β, Derf's shift); dyt_alpha: DyT's and Derf's scalar α; branch_scale: the
+# learnable g on each sublayer's update (ReZero, LayerScale); attn_sink: the sink logits; qk_temperature: an l2
+# QK-norm's learned temperature; head: an untied LM head; weight: the blocks' matrices (the attention gate's
+# included). The kinds a model declares come from its modules' `param_kinds` (model/residual.py). As `no_decay`
+# entries, "norm" also covers the scalar kinds and "weight" the head (KIND_PARENT): none of them decays by default.
+PARAM_KINDS = ("norm", "dyt_alpha", "branch_scale", "attn_sink", "qk_temperature", "bias", "embedding", "head",
+               "weight")
+KIND_PARENT = {"dyt_alpha": "norm", "branch_scale": "norm", "attn_sink": "norm", "qk_temperature": "norm",
+               "head": "weight"}
 
 
 @dataclass(frozen=True, kw_only=True)

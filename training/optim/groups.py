@@ -9,7 +9,7 @@ from torch import nn
 
 from model.layers import Embedding
 from model.mup import hidden_lr_mult
-from model.norms import DyT, Norm
+from model.norms import Norm
 from training.errors import UserError
 from training.optim.config import KIND_PARENT, PARAM_KINDS, OptimConfig, group_specs
 
@@ -20,8 +20,11 @@ if TYPE_CHECKING:
 def param_kind(owner: nn.Module, name: str, head: nn.Parameter | None = None) -> str:
     """Which of PARAM_KINDS the parameter `name` of module `owner` is; `head` is the model's LM-head weight (an
     untied head is a Linear like the block matrices: only identity tells them apart)."""
+    declared = getattr(owner, "param_kinds", {}).get(name)  # a module names its scalars' kinds (model/residual.py)
+    if declared is not None:
+        return declared
     if isinstance(owner, Norm):
-        return "dyt_alpha" if isinstance(owner, DyT) and name == "alpha" else "norm"  # LayerNorm's bias: a norm's
+        return "norm"  # LayerNorm's bias too: a norm's
     if isinstance(owner, (Embedding, nn.Embedding)):
         return "embedding"
     if name == "bias":

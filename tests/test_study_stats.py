@@ -169,7 +169,7 @@ def test_lr_sensitivity_and_best_lr_per_seed():
 
 
 def test_setups_use_the_required_seeds_and_share_runs():
-    from training.study.runner import jobs as plan
+    from training.study.runner import claim_jobs as plan
 
     scale = SCALES["default"]
     jobs = plan(claims_module.CLAIMS, scale)

@@ -19,7 +19,7 @@ from training.study.grid import SCALES, Arch, AtInit, Scale, Train
 from training.study.judge import judge_all
 from training.study.plots import plot
 from training.study.report import write_csvs, write_report, write_results
-from training.study.runner import load_data, main_process_measurements, roles_of, run_jobs
+from training.study.runner import claim_jobs, load_data, main_process_measurements, roles_of, run_jobs
 from training.study.statistics import Context
 
 log = logging.getLogger(__name__)
@@ -65,7 +65,7 @@ def run_study(output: Path, quick: bool = False, claims: list[int] | None = None
     ensure_default_corpus(data_dir, vocab_size=scale.vocab_size)
     data = load_data(data_dir, scale)
     scale = replace(scale, vocab_size=data.vocab_size)
-    todo = jobs(selected, scale)
+    todo = claim_jobs(selected, scale)
     log.info("study: %d jobs for claims %s on %d process(es)", len(todo), [c.number for c in selected], jobs)
     results = run_jobs(todo, data_dir, scale, jobs)
     extra = main_process_measurements(selected, scale, data)

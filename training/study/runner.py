@@ -31,7 +31,7 @@ def roles_of(claims: tuple[Claim, ...], scale: Scale) -> dict[int, dict[str, Job
     return {c.number: c.setup(scale) for c in claims}
 
 
-def jobs(claims: tuple[Claim, ...], scale: Scale) -> list[tuple[Job, int]]:
+def claim_jobs(claims: tuple[Claim, ...], scale: Scale) -> list[tuple[Job, int]]:
     """The union of the selected claims' specs, each at its number of seeds, longest jobs first."""
     specs: dict[Job, None] = {}
     for roles in roles_of(claims, scale).values():

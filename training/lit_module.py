@@ -213,7 +213,7 @@ class LitLM(LightningModule):
         refusal = self.optim.optimizer().zero_refusal
         if refusal and is_deepspeed(self.trainer.strategy):
             raise UserError(f"optim.name={self.optim.name} does not run under DeepSpeed: {refusal}; use "
-                            "--trainer.strategy auto or ddp (or optim.name=adamw with DeepSpeed)")
+                            "--trainer.strategy fsdp2 (sharded), ddp or auto (or optim.name=adamw with DeepSpeed)")
         optimizer, schedule = build_optimizer(self.model, self.optim, self.trainer.estimated_stepping_batches)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 

@@ -92,7 +92,8 @@ def telemetry(mesh) -> dict:
                 for p, q in zip(sharded.parameters(), plain.parameters(), strict=True))
     norms = grad_norms(sharded, partial(full_grad, deepspeed=False)), grad_norms(plain)
     bad = _count_nonfinite(sharded.parameters())
-    next(sharded.parameters()).grad.to_local()[0, 0] = float("nan")  # rank 0's rows hold it, rank 1's do not
+    if dist.get_rank() == 0:  # a NaN in rank 0's rows only
+        next(sharded.parameters()).grad.to_local()[0, 0] = float("nan")
     poisoned = _count_nonfinite(sharded.parameters())
     dist.all_reduce(poisoned)
     return {"params": max_diff(sharded, plain), "grads": grads, "norms": norms, "nonfinite": bad.item(),

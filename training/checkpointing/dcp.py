@@ -183,8 +183,9 @@ def load(state: dict[str, Any], path: Path, no_dist: bool = False) -> None:
 
 
 def model_state(ckpt_dir: Path, key: str = "state_dict") -> dict[str, torch.Tensor]:
-    """The whole weights `key` of a DCP directory, assembled in this one process from every rank's shards (no
-    process group needed): what evaluate, export and generate read. Keys as saved (`model.layers.0...`)."""
+    """The whole tensors of `key` (the weights, "state_dict"; an optimizer's state, "optimizer_0") of a DCP
+    directory, assembled in this one process from every rank's shards (no process group needed): what evaluate,
+    export and generate read. Keys as saved under `key` (`model.layers.0...`)."""
     metadata = read_metadata(ckpt_dir)
     prefix = f"{key}."
     template = {fqn.removeprefix(prefix): torch.empty(md.size, dtype=md.properties.dtype)

@@ -60,6 +60,14 @@ def test_precision_policy_keeps_norm_gains_fp32_and_runs_matmuls_in_bf16(checks)
     assert policy["stored"] == ["torch.float32"]  # sharded weights, gradients: fp32 (the optimizer steps fp32)
 
 
+@pytest.mark.slow
+def test_reshard_after_forward_and_compile_shape_the_units(checks):
+    """`reshard_after_forward: true` frees a block's gathered weights after its forward (ZeRO-3-like), `false`
+    keeps them for the backward (ZeRO-2-like); `--model.compile` compiles each block, then shards it."""
+    assert checks["layout"] == {"resharded_after_forward": {"True": True, "False": False},
+                                "blocks_compiled_and_sharded": [True, True]}
+
+
 # -- the strategy's settings and regimes, in this process -------------------------------------------------------
 @pytest.mark.parametrize("policy, message", [
     ({"matmul": "bf16"}, r"give both keys \['matmul', 'norms'\]"),

@@ -9,7 +9,9 @@ each check's measured numbers to OUT.json; the test module asserts on them.
 - `telemetry`: after one backward, every parameter's and gradient's full value (training/distributed.py), the
   per-layer gradient norms (model/probes.py) and the non-finite count (callbacks/guard.py) vs one process;
 - `policy`: under `precision_policy {matmul: bf16, norms: fp32}` the dtype each weight has inside its module's
-  forward, and the stored parameters' and gradients' dtypes.
+  forward, and the stored parameters' and gradients' dtypes;
+- `layout`: for each `reshard_after_forward`, whether a block's weights are sharded again between its forward
+  and backward; with `compile`, whether each block was compiled and then sharded (both FSDP units and compiled).
 """
 from __future__ import annotations
 
@@ -118,6 +120,23 @@ def policy(mesh) -> dict:
     return {"in_forward": seen, "stored": stored}
 
 
+def layout(mesh) -> dict:
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+
+    resharded = {}
+    for reshard in (True, False):
+        model = tiny()
+        shard_model(model, mesh, reshard_after_forward=reshard)
+        loss = model(TOKENS[:, :-1], targets=TOKENS[:, 1:])
+        resharded[str(reshard)] = isinstance(model.layers[0].attn.q_proj.weight, DTensor)  # (before the backward)
+        loss.backward()
+    model = tiny()
+    shard_model(model, mesh, compile=True)  # (structure only: compiling happens at the first forward)
+    compiled = [isinstance(b, FSDPModule) and b._compiled_call_impl is not None for b in model.layers]
+    return {"resharded_after_forward": resharded, "blocks_compiled_and_sharded": compiled}
+
+
 def broadcast(value):
     out = [value]
     dist.broadcast_object_list(out, src=0)
@@ -127,7 +146,8 @@ def broadcast(value):
 def main(out: str) -> None:
     dist.init_process_group("gloo")
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))  # explicitly a CPU mesh (pytorch #132471)
-    results = {name: check(mesh) for name, check in (("muon", muon), ("telemetry", telemetry), ("policy", policy))}
+    results = {name: check(mesh) for name, check in (("muon", muon), ("telemetry", telemetry), ("policy", policy),
+                                                        ("layout", layout))}
     if dist.get_rank() == 0:
         Path(out).write_text(json.dumps(results, indent=2))
     dist.destroy_process_group()

@@ -46,7 +46,8 @@ def _reference_run(kind: str):
     return run
 
 
-single_run, zero1_run, zero2_run, zero3_run = (_reference_run(kind) for kind in ("single", "zero1", "zero2", "zero3"))
+single_run, zero1_run, zero2_run, zero3_run, ddp_run, fsdp2_run = (
+    _reference_run(kind) for kind in ("single", "zero1", "zero2", "zero3", "ddp", "fsdp2"))
 
 
 @pytest.fixture(scope="session")

@@ -1,8 +1,9 @@
 """Every file a reader trusts is hashed: on a DeepSpeed resume each rank verifies the files it reads (and the ranks
-agree on the outcome), and the universal-format cache, written after the step's manifest, has a manifest of its own
-that every rank checks before the universal loader reads it (training/checkpointing/resume.py, universal.py).
+agree on the outcome; on an FSDP2 resume each its share of the files), and the universal-format cache, written
+after the step's manifest, has a manifest of its own that every rank checks before the universal loader reads it
+(training/checkpointing/resume.py, universal.py).
 
-Real 2-rank ZeRO-2/ZeRO-3 checkpoints: the session's reference runs (tests/helpers/zero_runs.py), copied.
+Real 2-rank ZeRO-2/ZeRO-3 and FSDP2 checkpoints: the session's reference runs (tests/helpers/zero_runs.py), copied.
 """
 from __future__ import annotations
 
@@ -62,6 +63,30 @@ def test_each_rank_verifies_the_files_it_reads(kind, own, zero2_run, zero3_run, 
     verify_files(ckpt, rank_files(manifest, 0, 2))  # not rank 0's to read
     with pytest.raises(CheckpointError, match=f"'{shard}' was altered"):
         verify_files(ckpt, rank_files(manifest, 1, 2))
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_the_ranks_share_out_the_files_of_a_dcp_checkpoint(world, fsdp2_run, tmp_path):
+    """FSDP2's DCP shards are read by whichever rank DCP's plan picks, at any world size: each rank verifies every
+    world-th file, the shares are disjoint and cover the checkpoint (the ranks agree on the outcome before the
+    load), and a flipped byte is found by the one rank whose share holds it."""
+    ckpt = copy_step(fsdp2_run, tmp_path)
+    manifest = Manifest.read(ckpt)
+    shares = [set(rank_files(manifest, r, world).files) for r in range(world)]
+    assert set().union(*shares) == set(manifest.files) and sum(map(len, shares)) == len(manifest.files)
+    assert all(set(rank_files(manifest, r, world).sha256) == shares[r] for r in range(world))
+    with open(ckpt / "__1_0.distcp", "r+b") as f:
+        f.seek(f.seek(0, 2) // 2)
+        byte = f.read(1)[0]
+        f.seek(-1, 1)
+        f.write(bytes([byte ^ 1]))
+    owner = next(r for r in range(world) if "__1_0.distcp" in shares[r])
+    for r in range(world):
+        if r == owner:
+            with pytest.raises(CheckpointError, match="'__1_0.distcp' was altered"):
+                verify_files(ckpt, rank_files(manifest, r, world))
+        else:
+            verify_files(ckpt, rank_files(manifest, r, world))
 
 
 def test_a_lightning_checkpoint_is_verified_whole_by_every_rank(single_run, tmp_path):

@@ -1,10 +1,11 @@
 """DDP (`--trainer.strategy ddp`) with the guarantees the ZeRO strategies have, on 2 real gloo ranks on CPU:
-final and SIGTERM checkpoints, bit-identical resume on the same world size, resume on another world size, the
-non-finite guard, the health metrics, and the manifest's record of the run.
+final and SIGTERM checkpoints, bit-identical resume on the same world size, the non-finite guard, the health
+metrics, and the manifest's record of the run. (Resuming on another world size reads the data position the same
+way under every strategy: tests/test_fsdp2.py and tests/test_reliability_deepspeed.py resume on one rank.)
 
-One 2-rank reference run (checkpoints every 3 updates: 3, 6 and the final 8) is shared by every test; four more
-runs (SIGTERM and its resume, 1 rank from step 6, a NaN gradient) make the module ~3-4 minutes on 2 idle cores,
-almost all of it process start-up.
+The session's 2-rank DDP reference run (tests/helpers/zero_runs.py: checkpoints every 3 updates, 3, 6 and the
+final 8; tests/test_fsdp2.py compares FSDP2 with it) is shared by every test; three more runs (SIGTERM and its
+resume, a NaN gradient) make the module ~2 minutes on 2 idle cores, almost all of it process start-up.
 """
 from __future__ import annotations
 
@@ -43,17 +44,22 @@ def weights(ckpt_dir: Path) -> dict[str, torch.Tensor]:
 
 
 @pytest.fixture(scope="module")
-def reference(workdir) -> Path:
-    run_normlab(fit_args(workdir, "reference"), cwd=workdir)
-    return workdir / "runs" / "reference"
+def workdir(zero_workdir) -> Path:
+    """The session's directory of the reference runs (tests/conftest.py): this module's runs sit beside them."""
+    return zero_workdir
+
+
+@pytest.fixture(scope="module")
+def reference(ddp_run) -> Path:
+    return ddp_run
 
 
 @pytest.mark.slow
 def test_ddp_fit_checkpoints_manifest_and_health_metrics(workdir, reference):
     losses = scalars(reference, "train/loss")
     assert sorted(losses) == list(range(1, 9)) and losses[8] < losses[1] - 0.1
-    assert steps_on_disk(workdir, "reference") == ["step-00000003", "step-00000006", "step-00000008"]  # 8: final
-    manifest = json.loads((ckpt(workdir, "reference", 8) / "manifest.json").read_text())
+    assert steps_on_disk(workdir, "ddp") == ["step-00000003", "step-00000006", "step-00000008"]  # 8: final
+    manifest = json.loads((ckpt(workdir, "ddp", 8) / "manifest.json").read_text())
     assert manifest["world_size"] == 2 and manifest["format"] == "lightning" and manifest["zero_stage"] is None
     assert manifest["tokens_seen"] == 8 * 2 * 2 * 4 * 16  # steps · accumulation · ranks · batch · seq_len
     assert manifest["precision"] == {"precision": "32-true", "weights": "float32", "autocast": None}
@@ -76,42 +82,30 @@ def test_sigterm_to_one_rank_saves_and_resumes_bit_for_bit(workdir, reference, t
         "trainer:\n  callbacks:\n    - class_path: tests.helpers.callbacks.RNGProbe\n"
         "    - class_path: tests.helpers.callbacks.WaitForSignal\n"
         f"      init_args: {{step: 4, marker: '{marker}', rank: 1}}\n")
-    args = fit_args(workdir, "sigterm", "--checkpoint.every_n_steps", "4", probe=str(tmp_path / "wait.yaml"))
+    args = fit_args(workdir, "ddp-sigterm", "--checkpoint.every_n_steps", "4", probe=str(tmp_path / "wait.yaml"))
     assert signal_when_waiting(args, workdir, marker, log) == 0, log.read_text()[-4000:]
     assert "stopping after step 6 on another rank's signal" in log.read_text()
-    assert steps_on_disk(workdir, "sigterm") == ["step-00000004", "step-00000006"]  # 6: the stop's checkpoint
-    run_normlab(fit_args(workdir, "sigterm", "--checkpoint.every_n_steps", "4", "--ckpt_path", "last"), cwd=workdir)
-    run = workdir / "runs" / "sigterm"
+    assert steps_on_disk(workdir, "ddp-sigterm") == ["step-00000004", "step-00000006"]  # 6: the stop's checkpoint
+    run_normlab(fit_args(workdir, "ddp-sigterm", "--checkpoint.every_n_steps", "4", "--ckpt_path", "last"),
+                cwd=workdir)
+    run = workdir / "runs" / "ddp-sigterm"
     for tag in TAGS:
         assert scalars(run, tag) == scalars(reference, tag), tag
-    straight, again = weights(ckpt(workdir, "reference", 8)), weights(ckpt(workdir, "sigterm", 8))
+    straight, again = weights(ckpt(workdir, "ddp", 8)), weights(ckpt(workdir, "ddp-sigterm", 8))
     assert all(torch.equal(straight[k], again[k]) for k in straight)
-
-
-@pytest.mark.slow
-def test_resume_on_one_rank_with_the_same_global_batch(workdir, reference):
-    """Step 6 of the 2-rank run on 1 rank with accumulation 4: the same 16 samples per update, read on from the
-    tokens already seen; the losses equal the reference's to fp32 summation order (the fp32 ZeRO tests' bound)."""
-    run_normlab(fit_args(workdir, "one-rank", "--ckpt_path", str(ckpt(workdir, "reference", 6)),
-                         "--trainer.accumulate_grad_batches", "4", devices=1), cwd=workdir)
-    manifest = json.loads((ckpt(workdir, "one-rank", 8) / "manifest.json").read_text())
-    assert manifest["world_size"] == 1 and manifest["tokens_seen"] == 8 * 16 * 16  # updates · samples · seq_len
-    losses = scalars(workdir / "runs" / "one-rank", "train/loss")
-    assert sorted(losses) == [7, 8]
-    assert losses == pytest.approx({s: v for s, v in scalars(reference, "train/loss").items() if s > 6}, rel=1e-5)
 
 
 @pytest.mark.slow
 def test_guard_skips_a_nan_gradient_on_one_rank_on_every_rank(workdir, reference):
     """A NaN gradient on rank 1 at update 3 reaches rank 0 through DDP's all-reduce: both ranks drop the update
     (checkpoint 3 holds checkpoint 2's weights exactly) and training goes on."""
-    run_normlab([*fit_args(workdir, "nan", "--trainer.max_steps", "4", "--checkpoint.every_n_steps", "1"),
+    run_normlab([*fit_args(workdir, "ddp-nan", "--trainer.max_steps", "4", "--checkpoint.every_n_steps", "1"),
                  "-c", str(HELPERS / "nan_grad.yaml"), "--guard.policy", "skip"], cwd=workdir)
-    run = workdir / "runs" / "nan"
+    run = workdir / "runs" / "ddp-nan"
     assert scalars(run, "guard/skipped_steps") == {3: 1.0}
     losses = scalars(run, "train/loss")
     assert sorted(losses) == [1, 2, 3, 4] and losses[2] == scalars(reference, "train/loss")[2]
-    before, skipped, after = (weights(ckpt(workdir, "nan", s)) for s in (2, 3, 4))
+    before, skipped, after = (weights(ckpt(workdir, "ddp-nan", s)) for s in (2, 3, 4))
     assert all(torch.equal(before[k], skipped[k]) for k in before)
     assert any(not torch.equal(skipped[k], after[k]) for k in before)
 

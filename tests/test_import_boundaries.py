@@ -154,7 +154,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("training.run", "training.optim", "training.compat", "training.distributed", "training.cli_checks"),
     ("training.cluster", "training.precision", "training.loggers"),  # run-time services of a fit
     ("training.console", "training.checkpointing", "training.study", "training.coordcheck"),
-    ("training.strategy", "training.eval", "training.export", "training.generate"),
+    ("training.strategy", "training.fsdp2", "training.eval", "training.export", "training.generate"),
     ("training.callbacks", "training.lit_module"),  # the loop's parts
     ("training.lightning_cli",),  # the loop, wired
     ("training.sweep",),  # the applications on top of the trainer

@@ -7,13 +7,17 @@ copied — get a crafted object whose unpickling runs `touch MARKER` (what a mal
 `os.system`); the manifest's sizes and sha256 are then updated to match, so only the unpickling guard can stop
 it. Every command that reads a checkpoint must refuse it with one line, and the marker must never appear. Besides
 the 4 shared runs, the module starts 7 normlab processes (4 of them 2-rank), almost all of their time start-up;
-the one-process fits, and every other command, run in this process.
+the one-process fits, and every other command, run in this process. An FSDP2 checkpoint (DCP) gets its payload as
+a record of a `.distcp` file, which its metadata points at; one 2-rank resume of it more.
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
+import io
 import json
 import os
+import pickle
 import shutil
 import struct
 import zipfile
@@ -194,6 +198,46 @@ def test_validate_and_test_refuse_a_crafted_checkpoint(kind, command, crafted, w
                            expect_ok=False, timeout=TIMEOUT)
         rc, output = proc.returncode, proc.stdout + proc.stderr
     assert_refused(output, rc, marker, payload_files(step_dir(run))[0].name)
+
+
+@pytest.fixture(scope="module")
+def crafted_dcp(fsdp2_run, workdir) -> tuple[Path, Path, str]:
+    """(run directory, marker, file): a copy of the FSDP2 run whose step-8 checkpoint has one non-tensor record (an
+    optimizer group's name) replaced by the payload, appended to its `.distcp` file and pointed at by the metadata,
+    resealed."""
+    from training.checkpointing import dcp
+
+    run = Path(shutil.copytree(fsdp2_run, workdir / "crafted" / "fsdp2",
+                               ignore=lambda d, names, top=fsdp2_run: ["eval"] if Path(d) == top else []))
+    marker, ckpt = workdir / "MARKER-fsdp2", step_dir(run)
+    metadata = dcp.read_metadata(ckpt)
+    index, info = next((i, v) for i, v in metadata.storage_data.items() if i.fqn.endswith("param_groups.0.name"))
+    record = io.BytesIO()
+    torch.save(Payload(marker), record)
+    shard = ckpt / info.relative_path
+    offset = shard.stat().st_size
+    with open(shard, "ab") as f:
+        f.write(record.getvalue())
+    metadata.storage_data[index] = dataclasses.replace(info, offset=offset, length=len(record.getvalue()))
+    (ckpt / ".metadata").write_bytes(pickle.dumps(metadata))
+    reseal(ckpt)
+    return run, marker, info.relative_path
+
+
+def test_every_command_refuses_a_crafted_fsdp2_checkpoint(crafted_dcp, workdir, tmp_path, capsys):
+    """evaluate, export and generate (in this process), and a 2-rank FSDP2 resume: one line naming the `.distcp`
+    file and the type; nothing runs, nothing is written."""
+    run, marker, file = crafted_dcp
+    ckpt = str(step_dir(run))
+    for args in (["evaluate", "--checkpoint", ckpt], ["export", "--checkpoint", ckpt, "--output", str(tmp_path / "hf")],
+                 ["generate", "--checkpoint", ckpt, "--prompt", "the", "--max_new_tokens", "2"]):
+        rc, output = normlab_inprocess(args, capsys)
+        assert_refused(output, rc, marker, file)
+    proc = run_normlab(fit_args(workdir, "resumed-fsdp2", "single", "--trainer.strategy", "fsdp2",
+                                "--trainer.devices", "2", "--ckpt_path", ckpt), cwd=workdir, expect_ok=False,
+                       timeout=TIMEOUT)
+    assert_refused(proc.stdout + proc.stderr, proc.returncode, marker, file)
+    assert not (tmp_path / "hf").exists() and not list((workdir / "runs" / "resumed-fsdp2").glob("checkpoints/step-*"))
 
 
 def test_universal_conversion_and_cache_refuse_code(runs, crafted, workdir, tmp_path):

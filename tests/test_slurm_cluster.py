@@ -70,8 +70,8 @@ def job_end(cluster: Cluster, job: str, timeout: float) -> dict[str, str]:
 
 
 def checkpoint_tensors(ckpt_dir: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of a checkpoint — weights and optimizer state; under DeepSpeed each rank's shard — by file and
-    key (the RNG states and counters are checked by the resume tests)."""
+    """Every tensor of a checkpoint — weights and optimizer state; under DeepSpeed each rank's shard, under FSDP2
+    each assembled — by file and key (the RNG states and counters are checked by the resume tests)."""
     found: dict[str, torch.Tensor] = {}
 
     def walk(value, key: str) -> None:
@@ -83,6 +83,12 @@ def checkpoint_tensors(ckpt_dir: Path) -> dict[str, torch.Tensor]:
         elif isinstance(value, (list, tuple)):
             for i, v in enumerate(value):
                 walk(v, f"{key}[{i}]")
+
+    if (ckpt_dir / ".metadata").is_file():  # FSDP2's DCP shards: the weights and optimizer state, assembled
+        from training.checkpointing import dcp
+
+        return {f"{key}/{name}": t for key in ("state_dict", "optimizer_0")
+                for name, t in dcp.model_state(ckpt_dir, key).items()}
 
     import deepspeed  # noqa: F401  (its shards' few classes are allowed once it is imported, as for every reader)
 
@@ -217,16 +223,19 @@ def test_zero3_warned_then_preempted_saves_both_times_and_resumes_to_the_same_we
     assert_same(checkpoint_tensors(final(run)), checkpoint_tensors(final(straight_run(slurm_cluster, work, "zero3"))))
 
 
-def test_ddp_warned_in_its_gradient_all_reduce_resumes_to_the_same_weights(slurm_cluster, work):  # noqa: F811
-    """DDP all-reduces gradients from hooks inside the backward: the warning lands there, on rank 1; the job saves,
-    requeues and resumes to the straight DDP job's weights and optimizer state."""
-    hooks = callbacks_file(work / "ddp.yaml", ("SignalJobDuring", {"phases": ["backward"], "rank": 1}))
-    job = submit_fit(slurm_cluster, work, "ddp", "-c", str(hooks), strategy="ddp")
+def test_fsdp2_warned_in_its_gradient_reduce_scatter_resumes_to_the_same_weights(slurm_cluster, work):  # noqa: F811
+    """FSDP2 reduce-scatters each block's gradients from hooks inside the backward (as DDP all-reduces them): the
+    warning lands there, on rank 1; the job saves its DCP shards, requeues and resumes to the straight FSDP2 job's
+    weights and optimizer state, bit for bit."""
+    hooks = callbacks_file(work / "fsdp2.yaml", ("SignalJobDuring", {"phases": ["backward"], "rank": 1}))
+    job = submit_fit(slurm_cluster, work, "fsdp2", "-c", str(hooks), strategy="fsdp2")
     record = job_end(slurm_cluster, job, 600)
-    assert record["JobState"] == "COMPLETED" and record["Restarts"] == "1", \
-        (record, (work / "ddp.out").read_text()[-4000:])
-    assert_same(checkpoint_tensors(final(work / "runs" / "ddp")),
-                checkpoint_tensors(final(straight_run(slurm_cluster, work, "ddp"))))
+    log = (work / "fsdp2.out").read_text()
+    assert record["JobState"] == "COMPLETED" and record["Restarts"] == "1", (record, log[-4000:])
+    assert log.count("requeueing job") == 1 and "Traceback" not in log, log[-4000:]
+    run = work / "runs" / "fsdp2"
+    assert json.loads((final(run) / "manifest.json").read_text())["format"] == "dcp"
+    assert_same(checkpoint_tensors(final(run)), checkpoint_tensors(final(straight_run(slurm_cluster, work, "fsdp2"))))
 
 
 def test_a_hung_rank_ends_the_job_within_the_timeout_with_one_line(slurm_cluster, work):  # noqa: F811

@@ -174,15 +174,20 @@ def test_checkpoint_naming_and_last(tmp_path):
     resume.check_fresh_run(tmp_path / "new-run")
 
 
-def test_check_format(tmp_path):
-    d = _fake_ckpt(tmp_path, 5)
-    resume.check_format(str(d), deepspeed=True)
-    with pytest.raises(ValueError, match="DeepSpeed checkpoint"):
-        resume.check_format(str(d), deepspeed=False)
-    f = tmp_path / "x.ckpt"
-    f.write_text("")
-    with pytest.raises(ValueError, match="Lightning checkpoint file"):
-        resume.check_format(str(f), deepspeed=True)
+@pytest.mark.parametrize("saved", ["deepspeed", "dcp", "lightning"])
+def test_check_format(saved, tmp_path):
+    """A checkpoint loads only under a strategy that writes its format; otherwise one line naming the strategy."""
+    path = _fake_ckpt(tmp_path, 5, fmt=saved)
+    if saved == "lightning":
+        path = path / layout.LIGHTNING_FILE
+        path.write_text("")
+    resume.check_format(str(path), saved)
+    hint = {"deepspeed": "DeepSpeed checkpoint: load it under DeepSpeed",
+            "dcp": r"FSDP2 \(DCP\) checkpoint: load it under FSDP2 \(--trainer.strategy fsdp2",
+            "lightning": "Lightning checkpoint file: load it under one device"}
+    for other in {"deepspeed", "dcp", "lightning"} - {saved}:
+        with pytest.raises(CheckpointError, match=hint[saved]):
+            resume.check_format(str(path), other)
 
 
 @pytest.mark.parametrize("name", ZERO_NAMES)

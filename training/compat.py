@@ -128,6 +128,24 @@ PATCHES: dict[str, Patch] = {p.target: p for p in [
           "the zero_to_fp32.py copy is the save's one file write outside the checkpoint engine: the engine's "
           "instance attribute is wrapped to go through the same holding (hold_recovery_script)",
           "deepspeed", DEEPSPEED),
+    # -- FSDP2 (training/fsdp2.py) and its DCP checkpoints (training/checkpointing/dcp.py) ----------------------
+    Patch("lightning.pytorch.strategies.model_parallel:ModelParallelStrategy._data_parallel_size",
+          "set before the mesh is built: data-parallel over every rank (its 'auto' splits nodes from devices for "
+          "tensor parallelism, which normlab does not use)", "lightning", LIGHTNING),
+    Patch("lightning.pytorch.strategies.model_parallel:ModelParallelStrategy._tensor_parallel_size",
+          "set to 1 with _data_parallel_size", "lightning", LIGHTNING),
+    Patch("torch.distributed.checkpoint.filesystem:_StorageInfo",
+          "allowed by the restricted unpickler of a DCP directory's .metadata (where each record sits): a rename "
+          "refuses every FSDP2 checkpoint", "torch", ">=2.6", "internal"),
+    Patch("torch.distributed.checkpoint.metadata:_MEM_FORMAT_ENCODING",
+          "allowed by the .metadata unpickler: TensorProperties pickles it", "torch", ">=2.6", "internal"),
+    Patch("torch.serialization:_get_layout", "allowed by the .metadata unpickler: how a tensor layout is pickled",
+          "torch", ">=2.6", "internal"),
+    Patch("torch.optim._muon:_zeropower_via_newtonschulz",
+          "GatheredMuon (training/optim/muon.py) runs torch.optim.Muon's own Newton-Schulz on each FSDP2 matrix, "
+          "gathered: the update one process computes", "torch", ">=2.9", "internal"),
+    Patch("torch.optim._muon:_adjust_lr", "and its LR adjustment, as torch.optim.Muon applies it", "torch", ">=2.9",
+          "internal"),
     # -- training -----------------------------------------------------------------------------------------------
     Patch(f"{_ZERO12}.has_overflow",
           "the non-finite guard's cheap test (callbacks/guard.py): each rank's gradient partition, one all-reduced "

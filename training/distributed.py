@@ -1,5 +1,6 @@
 """Collectives for the callbacks and the checkpoint code: plain Python objects (the strategy's own `broadcast`
-covers rank 0 → all), one error for all ranks, and a parameter's full value and gradient under DeepSpeed ZeRO."""
+covers rank 0 → all), one error for all ranks, and a parameter's full value and gradient under DeepSpeed ZeRO
+and under FSDP2 (a DTensor's rows gathered from every rank)."""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -7,7 +8,8 @@ from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
-from lightning.pytorch.strategies import DeepSpeedStrategy, Strategy
+from lightning.pytorch.strategies import DeepSpeedStrategy, ModelParallelStrategy, Strategy
+from torch.distributed.tensor import DTensor
 
 from training.errors import CheckpointError
 
@@ -18,6 +20,12 @@ def is_deepspeed(strategy: Strategy) -> bool:
     """Whether `strategy` is DeepSpeed's: its checkpoints are DeepSpeed directories (vs. Lightning files) and its
     parameters and gradients are partitioned (`full_param`, `full_grad`)."""
     return isinstance(strategy, DeepSpeedStrategy)
+
+
+def is_fsdp2(strategy: Strategy) -> bool:
+    """Whether `strategy` shards with FSDP2 (training/fsdp2.py, a Lightning `ModelParallelStrategy`): its
+    checkpoints are DCP directories and its parameters and gradients DTensors (`full_param`, `full_grad`)."""
+    return isinstance(strategy, ModelParallelStrategy)
 
 
 def gather_objects(value: Any) -> list[Any]:
@@ -57,7 +65,10 @@ def shared_failure(fn: Callable[[], T], share: Callable[[Any], list[Any]], run: 
 
 def full_param(param: torch.nn.Parameter, deepspeed: bool) -> torch.Tensor:
     """The whole fp32 value of `param` on every rank: under DeepSpeed, gathered from its ZeRO partitions (a
-    collective for ZeRO-3: every rank must call it, in the same order); otherwise the parameter itself, detached."""
+    collective for ZeRO-3: every rank must call it, in the same order); a DTensor (FSDP2) gathered from every
+    rank's rows (a collective too); otherwise the parameter itself, detached."""
+    if isinstance(param, DTensor):
+        return param.detach().full_tensor()
     if deepspeed:
         from deepspeed.utils import safe_get_full_fp32_param
 
@@ -70,9 +81,17 @@ def full_param(param: torch.nn.Parameter, deepspeed: bool) -> torch.Tensor:
 def full_grad(param: torch.nn.Parameter, deepspeed: bool) -> torch.Tensor | None:
     """The whole gradient of `param` on every rank (None without one): under DeepSpeed, gathered from its ZeRO
     partitions, where `param.grad` is partitioned or None (a collective: every rank must call it, in the same
-    order); otherwise `param.grad`."""
+    order); a DTensor gradient (FSDP2: reduce-scattered, each rank holds its rows) gathered the same way;
+    otherwise `param.grad`."""
+    if isinstance(param.grad, DTensor):
+        return param.grad.full_tensor()
     if deepspeed:
         from deepspeed.utils import safe_get_full_grad
 
         return safe_get_full_grad(param)
     return param.grad
+
+
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of `tensor`: a DTensor's local shard (FSDP2), any other tensor itself."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor

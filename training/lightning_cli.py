@@ -5,7 +5,7 @@ Config groups (all settable in YAML via `-c` and as dotted flags):
   optim.*       OptimConfig: the optimizer (`--optim.name muon --optim.options.momentum 0.9`, training/optim/), its
                 parameter groups and LR schedule (`--optim.lr 3e-4`)
   data.*        TokenDataModule (`--data.path`, `--data.seq_len`, `--data.batch_size`)
-  trainer.*     Lightning Trainer (`--trainer.max_steps`, `--trainer.devices`, `--trainer.strategy zero2`)
+  trainer.*     Lightning Trainer (`--trainer.max_steps`, `--trainer.devices`, `--trainer.strategy zero2 | fsdp2`)
   checkpoint.*  StepCheckpoint (`--checkpoint.every_n_steps`, `--checkpoint.keep_last_n`)
   guard.*       NonFiniteGuard (`--guard.policy abort|skip`, `--guard.max_consecutive_skips`, spike dumps:
                 `--guard.dump_spike_z`, `--guard.max_dumps`)
@@ -46,14 +46,15 @@ from training.callbacks.progress import step_counting
 from training.callbacks.summary import log_closing_lines, with_norm_summary
 from training.checkpointing import branch, init_from, resume
 from training.checkpointing.plan import RunPlan, plan
-from training.checkpointing.safe import SafeCheckpointIO, refuse_code, safe_torch_load
-from training.checkpointing.save import RunRecord
+from training.checkpointing.safe import SafeCheckpointIO, safe_torch_load
+from training.checkpointing.save import RunRecord, checkpoint_format
 from training.cluster.config import ClusterConfig, with_timeout
 from training.cluster.rank import is_first_rank
 from training.cluster.stop import StopOnSignal
 from training.cluster.timeout import CollectiveTimeout
-from training.distributed import is_deepspeed
+from training.distributed import is_deepspeed, is_fsdp2
 from training.errors import UserError, is_user_error
+from training.fsdp2 import FSDP2  # registers fsdp2
 from training.lit_module import lit_lm
 from training.loggers import LOGGERS, RecordLoggerRuns, run_loggers, start_wandb
 from training.optim import OptimConfig, renamed_option
@@ -255,7 +256,7 @@ class NormlabCLI(LightningCLI):
         """Refuse a checkpoint of the wrong format and a data path with no prepared data now, before Lightning
         writes anything into the run directory (a failed start leaves no stray run behind)."""
         if self.plan.load_path:
-            resume.check_format(self.plan.load_path, is_deepspeed(self.trainer.strategy))
+            resume.check_format(self.plan.load_path, checkpoint_format(self.trainer.strategy))
         if type(self.trainer.strategy.checkpoint_io) is TorchCheckpointIO:  # (a user's own IO plugin is kept)
             # model.ckpt read weights-only, and written beside its destination (not staged in $TMPDIR)
             self.trainer.strategy.checkpoint_io = SafeCheckpointIO()
@@ -263,6 +264,10 @@ class NormlabCLI(LightningCLI):
             raise UserError(f"--trainer.strategy {type(self.trainer.strategy).__name__}: normlab's checkpoints need "
                             "its own DeepSpeed strategy: use zero1, zero2 or zero3, or training.strategy.DeepSpeed "
                             "with --trainer.strategy.config FILE.json")
+        if is_fsdp2(self.trainer.strategy) and not isinstance(self.trainer.strategy, FSDP2):
+            raise UserError(f"--trainer.strategy {type(self.trainer.strategy).__name__}: normlab shards the model and "
+                            "checkpoints it with its own FSDP2 strategy: use fsdp2, or training.fsdp2.FSDP2 with "
+                            "--trainer.strategy.reshard_after_forward / .precision_policy")
         if is_deepspeed(self.trainer.strategy):
             # DeepSpeed's sample counters read the micro-batch size (it does not change the math). Lightning would
             # take it from the loader's batch_sampler, which normlab's loaders (whole batches) do not have; the
@@ -280,7 +285,7 @@ class NormlabCLI(LightningCLI):
         if ckpt_dir is not None and (ckpt_dir / layout.MANIFEST).is_file():
             resume.check_settings(ckpt_dir, self.model.config.to_dict(), self.datamodule.tokenizer_path,
                                   action=self.subcommand)
-            refuse_code(ckpt_dir)
+            resume.refuse_code(ckpt_dir)
         start_wandb(self.trainer.loggers)
 
     before_validate = before_test = _check_checkpoint

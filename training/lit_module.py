@@ -1,7 +1,8 @@
 """LitLM: the LightningModule that trains a `model.Transformer` with next-token cross-entropy.
 
 Thin on purpose: the optimizer, its parameter groups and schedule live in `optim/`, DeepSpeed in `strategy.py`,
-checkpoints in `checkpointing/` and `callbacks/step_checkpoint.py`, throughput, RNG and the guard in `callbacks/`.
+FSDP2's sharding in `fsdp2.py`, checkpoints in `checkpointing/` and `callbacks/step_checkpoint.py`, throughput,
+RNG and the guard in `callbacks/`.
 
 The model's fields are `ModelConfig`'s own, read from the dataclass (`model_fields`): LightningCLI builds the
 module with `lit_lm`, whose signature offers each as `--model.<field>` (e.g. `--model.placement post`), each None
@@ -25,7 +26,7 @@ from torch import Tensor
 from model import ModelConfig, Transformer
 from model.optimize import compile_blocks, enable_activation_checkpointing
 from training.checkpointing.init_from import InitFrom
-from training.distributed import is_deepspeed
+from training.distributed import is_deepspeed, is_fsdp2
 from training.errors import UserError
 from training.eval.metrics import LossTotals, batch_loss, mixture, split_batch, tags
 from training.loggers import log_scalars
@@ -97,8 +98,18 @@ class LitLM(LightningModule):
 
                 deepspeed.zero.register_external_parameter(self.model, self.model.tok_embeddings.weight)
             enable_activation_checkpointing(self.model, self.activation_checkpointing)
-            if self.compile:
+            strategy = self._strategy()
+            if is_fsdp2(strategy):  # each block compiled (if asked), then sharded: training/fsdp2.py
+                strategy.shard(self.model, compile=self.compile)
+            elif self.compile:
                 compile_blocks(self.model)
+
+    def _strategy(self) -> Any:
+        """The trainer's strategy; None when not attached to a trainer (a module configured by hand)."""
+        try:
+            return self.trainer.strategy
+        except RuntimeError:
+            return None
 
     def _init_from(self) -> InitFrom | None:
         """`fit --init_from`: the run's source of weights, one of its trainer's callbacks (the CLI builds it with
@@ -202,7 +213,7 @@ class LitLM(LightningModule):
         refusal = self.optim.optimizer().zero_refusal
         if refusal and is_deepspeed(self.trainer.strategy):
             raise UserError(f"optim.name={self.optim.name} does not run under DeepSpeed: {refusal}; use "
-                            "--trainer.strategy auto or ddp (or optim.name=adamw with DeepSpeed)")
+                            "--trainer.strategy fsdp2 (sharded), ddp or auto (or optim.name=adamw with DeepSpeed)")
         optimizer, schedule = build_optimizer(self.model, self.optim, self.trainer.estimated_stepping_batches)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 

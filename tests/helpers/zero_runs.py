@@ -1,9 +1,11 @@
 """The 8-step reference runs of every checkpoint kind normlab writes — a 2-rank ZeRO-2 run (Lightning's own
-launcher), 2-rank ZeRO-1 and ZeRO-3 runs (torchrun, which starts both ranks at once) and the ZeRO-2 run's batches
-in one plain process — trained once per test session in one directory (the `zero_workdir` fixture of
-tests/conftest.py) and read by tests/test_training_deepspeed.py, which checks them, tests/test_safe_loading.py,
-which crafts copies of their checkpoints, tests/test_branch_deepspeed.py, which branches from the ZeRO-2 run, and
-tests/test_reliability_deepspeed.py, which resumes the ZeRO-1 run on one rank.
+launcher), 2-rank ZeRO-1 and ZeRO-3 runs (torchrun, which starts both ranks at once), the ZeRO-2 run's batches
+in one plain process, and 2-rank DDP and FSDP2 runs (checkpoints every 3 steps: 3, 6 and the final 8) — trained
+once per test session in one directory (the `zero_workdir` fixture of tests/conftest.py) and read by
+tests/test_training_deepspeed.py, which checks them, tests/test_safe_loading.py, which crafts copies of their
+checkpoints, tests/test_branch_deepspeed.py, which branches from the ZeRO-2 run,
+tests/test_reliability_deepspeed.py, which resumes the ZeRO-1 run on one rank, tests/test_ddp.py and
+tests/test_fsdp2.py, which checks FSDP2 against DDP.
 A run costs a process start-up per rank, more than its training: training each once is what the sharing saves.
 Readers must not write into these runs (copy them first); tests/test_training_deepspeed.py adds its evaluations."""
 from __future__ import annotations
@@ -24,8 +26,11 @@ def fit_args(workdir: Path, name: str, stage: str, *extra: str, probe: str = "pr
 
 
 def train(workdir: Path, kind: str) -> Path:
-    """Train the reference run `kind` (single, zero1, zero2 or zero3) in `workdir`; returns its run directory."""
-    if kind == "zero2":
+    """Train the reference run `kind` (single, zero1, zero2, zero3, ddp or fsdp2) in `workdir`; returns its run
+    directory."""
+    if kind in ("ddp", "fsdp2"):
+        run_normlab(fit_args(workdir, kind, kind, "--checkpoint.every_n_steps", "3"), cwd=workdir)
+    elif kind == "zero2":
         run_normlab(fit_args(workdir, "zero2", "zero2"), cwd=workdir)
     elif kind in ("zero1", "zero3"):
         run_torchrun(fit_args(workdir, kind, kind), cwd=workdir)

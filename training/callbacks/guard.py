@@ -51,7 +51,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from model.names import layer_index
 from training.callbacks.spikes import SpikeRecorder, mean_and_std
 from training.compat import zero_optimizer_internal
-from training.distributed import full_grad, is_deepspeed
+from training.distributed import full_grad, is_deepspeed, local
 from training.loggers import log_scalars
 
 log = logging.getLogger(__name__)
@@ -74,8 +74,10 @@ def _scaler_skips_overflows(trainer: Trainer, deepspeed: bool) -> bool:
 
 
 def _count_nonfinite(params: Any) -> torch.Tensor:
-    """How many of the parameters' gradients hold a NaN or Inf, as a device tensor (no host sync)."""
-    grads = [p.grad for p in params if p.grad is not None]
+    """How many of the parameters' gradients hold a NaN or Inf, as a device tensor (no host sync). Under FSDP2
+    each rank counts its own rows of each gradient (a DTensor's local shard): the sum over ranks, which the loss's
+    reduction takes, is nonzero exactly when some gradient is non-finite somewhere."""
+    grads = [local(p.grad) for p in params if p.grad is not None]
     if not grads:
         return torch.zeros(())
     return torch.stack([torch.isfinite(g).all() for g in grads]).logical_not().sum().float()

@@ -2,8 +2,8 @@
 
 Accepted `path`s:
 - a checkpoint directory `runs/<name>/checkpoints/step-XXXXXXXX/` (manifest.json): DeepSpeed shards of any
-  ZeRO stage and world size (consolidated in memory with DeepSpeed's own zero_to_fp32), or Lightning's
-  `model.ckpt` inside it;
+  ZeRO stage and world size (consolidated in memory with DeepSpeed's own zero_to_fp32), FSDP2's DCP shards of
+  any world size (assembled in memory, checkpointing/dcp.py), or Lightning's `model.ckpt` inside it;
 - a Lightning `.ckpt` file, or a consolidated state dict (`.pt`/`.bin`/`.safetensors`) with `model_config.json`
   beside it;
 - an exported directory: Hugging Face (`config.json` + safetensors) or normlab's own `--format safetensors`.
@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from model import ModelConfig, Transformer
+from training.checkpointing import dcp
 from training.checkpointing.remote_code import HF_READ, refuse_custom_code
 from training.checkpointing.safe import no_code_from_checkpoints, refusal, safe_torch_load
 from training.errors import CheckpointError
@@ -114,6 +115,8 @@ def _load_step_dir(ckpt_dir: Path) -> Loaded:
     config = model_config(ckpt_dir)
     if manifest.deepspeed:
         state = deepspeed_state_dict(ckpt_dir)
+    elif manifest.dcp:
+        state = dcp.model_state(ckpt_dir)
     else:
         file = ckpt_dir / LIGHTNING_FILE
         if not file.is_file():

@@ -3,9 +3,11 @@ each failure names the checkpoint and the fix.
 
 - a new run must not write over another run's checkpoints (`check_fresh_run`), nor over the config and logs of a
   run that stopped before its first checkpoint (`check_no_logged_run`);
-- a DeepSpeed directory resumes under DeepSpeed, a Lightning file without it (`check_format`);
+- a DeepSpeed directory resumes under DeepSpeed, FSDP2's DCP directory under FSDP2, a Lightning file under
+  neither (`check_format`);
 - the checkpoint is whole (every file the manifest lists, at its size and sha256; on a DeepSpeed resume each rank
-  checks the files it reads, `rank_files`, and the ranks agree on the outcome), holds no pickled code
+  checks the files it reads, on a DCP resume its share of them, `rank_files`, and the ranks agree on the
+  outcome), holds no pickled code
   (training/checkpointing/safe.py), and was written with this model config and tokenizer (`check_resume`;
   `check_fits` for a branch, before `fit`);
 - another gradient accumulation must continue on an update boundary (`check_accumulation`);
@@ -21,11 +23,18 @@ from typing import Any
 
 from lightning.pytorch import LightningModule, Trainer
 
-from training.checkpointing.safe import refuse_code
+from training.checkpointing import dcp, safe
 from training.distributed import together
 from training.errors import CheckpointError
 from training.run.dir import model_config as saved_model_config
-from training.run.layout import CONFIG_FILE, MODEL_CONFIG_FILE, checkpoints_dir, complete_checkpoints
+from training.run.layout import (
+    CONFIG_FILE,
+    DCP_METADATA,
+    MANIFEST,
+    MODEL_CONFIG_FILE,
+    checkpoints_dir,
+    complete_checkpoints,
+)
 from training.run.manifest import Manifest, config_hash, file_hash, read_verified
 
 log = logging.getLogger(__name__)
@@ -61,14 +70,26 @@ def check_no_logged_run(run_dir: str | Path) -> None:
             "`--name <new name>`.")
 
 
-def check_format(ckpt_path: str, deepspeed: bool) -> None:
-    """A DeepSpeed checkpoint directory resumes only under DeepSpeed, a Lightning file only without it."""
-    if Path(ckpt_path).is_dir() and not deepspeed:
-        raise CheckpointError(f"{ckpt_path} is a DeepSpeed checkpoint: load it under DeepSpeed, with the ZeRO stage "
-                         "that wrote it (e.g. --trainer.strategy zero2)")
-    if Path(ckpt_path).is_file() and deepspeed:
-        raise CheckpointError(f"{ckpt_path} is a Lightning checkpoint file: load it without DeepSpeed "
-                         "(--trainer.strategy auto)")
+# How each checkpoint format (the manifest's `format`, save.py's `checkpoint_format`) is loaded.
+_LOADED_UNDER = {"deepspeed": "DeepSpeed, with the ZeRO stage that wrote it (e.g. --trainer.strategy zero2)",
+                 "dcp": "FSDP2 (--trainer.strategy fsdp2, on any number of devices)",
+                 "lightning": "one device or DDP (--trainer.strategy auto or ddp)"}
+
+
+def check_format(ckpt_path: str, fmt: str) -> None:
+    """The checkpoint at `ckpt_path` loads under a strategy whose checkpoints are of format `fmt`: a DeepSpeed
+    directory under DeepSpeed, a DCP directory under FSDP2, a Lightning file (model.ckpt) under neither."""
+    path = Path(ckpt_path)
+    if path.is_file():
+        saved = "lightning"
+    elif (path / MANIFEST).is_file():
+        saved = Manifest.read(path).format or "deepspeed"
+    else:  # a foreign directory
+        saved = "dcp" if (path / DCP_METADATA).is_file() else "deepspeed"
+    if saved != fmt:
+        what = {"lightning": "a Lightning checkpoint file", "dcp": "an FSDP2 (DCP) checkpoint",
+                "deepspeed": "a DeepSpeed checkpoint"}.get(saved, f"a {saved} checkpoint")
+        raise CheckpointError(f"{ckpt_path} is {what}: load it under {_LOADED_UNDER.get(saved, saved)}")
 
 
 def check_resume(ckpt_dir: Path, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -85,8 +106,15 @@ def rank_files(manifest: Manifest, rank: int, world_size: int) -> Manifest:
     """`manifest` cut down to the files rank `rank` of `world_size` reads when it resumes the checkpoint: under
     DeepSpeed every file but the other ranks' ZeRO shards (`zero_pp_rank_R_…_states.pt`, loaded by rank R only) —
     unless the world size changed, when rank 0 converts every shard to the universal format and the other ranks
-    read none (they read the converted cache, checked against its own manifest: universal.py). A Lightning
-    checkpoint is read whole by every rank."""
+    read none (they read the converted cache, checked against its own manifest: universal.py). A DCP checkpoint
+    (FSDP2) is read by every rank in parts no file name tells (DCP decides at load time which rank reads which
+    record, at any world size): each rank verifies every `world_size`-th file, and since the ranks agree on the
+    outcome before the load (`check_resume`), every file is verified once. A Lightning checkpoint is read whole by
+    every rank."""
+    if manifest.dcp:
+        share = {rel for i, rel in enumerate(sorted(manifest.files)) if i % world_size == rank}
+        return dataclasses.replace(manifest, files={k: v for k, v in manifest.files.items() if k in share},
+                                   sha256={k: v for k, v in manifest.sha256.items() if k in share})
     if not manifest.deepspeed or (rank == 0 and manifest.world_size != world_size):
         return manifest
 
@@ -153,6 +181,14 @@ def check_loadable(ckpt_dir: Path, manifest: Manifest, trainer: Trainer) -> None
         check_reshard(ckpt_dir, manifest, trainer)
 
 
+def refuse_code(ckpt_dir: Path) -> None:
+    """Refuse a checkpoint directory any of whose files asks to run code (one line naming it): its pickled files
+    (safe.py) and, in a DCP directory, its metadata and every record (dcp.py). Unpickles nothing unrestricted."""
+    safe.refuse_code(ckpt_dir)
+    if (Path(ckpt_dir) / DCP_METADATA).is_file():
+        dcp.refuse_code(ckpt_dir)
+
+
 def check_accumulation(ckpt_dir: Path, manifest: Manifest | dict[str, Any], trainer: Trainer) -> None:
     """Another accumulate_grad_batches on resume works when the micro-batches already read are a whole number of
     the new updates: Lightning restores its micro-batch count and closes an update whenever that count is a
@@ -175,7 +211,7 @@ def check_reshard(ckpt_dir: Path, manifest: Manifest | dict[str, Any], trainer: 
     """A world-size change on resume: which formats reshard, and what happens to the data position."""
     manifest = _typed(manifest)
     saved_world, stage = manifest.world_size, manifest.zero_stage
-    if manifest.deepspeed and stage not in (1, 2, 3):
+    if manifest.deepspeed and stage not in (1, 2, 3):  # (a DCP checkpoint reshards on load at any world size)
         raise CheckpointError(
             f"cannot resume {ckpt_dir} (DeepSpeed ZeRO stage {stage}, {saved_world} ranks) on {trainer.world_size} "
             "ranks: only ZeRO-1/2/3 checkpoints convert to DeepSpeed's universal format. Resume on "

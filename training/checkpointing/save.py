@@ -1,10 +1,10 @@
 """`save_step`: the mechanism of one crash-safe checkpoint save (when to save is `StepCheckpoint`'s policy,
 training/callbacks/step_checkpoint.py; the layout is training/run/layout.py).
 
-A save is atomic (DeepSpeed writes shards in place and its `latest` can name a half-written checkpoint;
-Lightning's DeepSpeed strategy bypasses Lightning's own atomic save — so it is done here):
+A save is atomic (DeepSpeed and FSDP2's DCP write shards in place, and DeepSpeed's `latest` can name a half-written
+checkpoint; Lightning's DeepSpeed strategy bypasses Lightning's own atomic save — so it is done here):
 1. rank 0 moves any leftover `.tmp-step-X` (a crashed attempt) aside; barrier;
-2. every rank writes into `checkpoints/.tmp-step-X/` (DeepSpeed's save ends in a barrier);
+2. every rank writes into `checkpoints/.tmp-step-X/` (DeepSpeed's and DCP's saves are collectives);
 3. rank 0 writes the sidecars, then the manifest (temporary file + fsync + rename), fsyncs the directory and
    renames it to `step-X`; its success is broadcast, so a failing rank 0 never leaves the others in a barrier.
 A kill at any point leaves either the previous checkpoints untouched or a complete new one.
@@ -36,7 +36,7 @@ from lightning.fabric.plugins import CheckpointIO
 from lightning.pytorch import LightningModule, Trainer
 
 from data.atomic import fsync_path, write_text_atomic
-from training.distributed import gather_objects, is_deepspeed
+from training.distributed import gather_objects, is_deepspeed, is_fsdp2
 from training.errors import CheckpointError
 from training.precision import precision_record
 from training.run.layout import (
@@ -96,11 +96,13 @@ def save_step(trainer: Trainer, pl_module: LightningModule, record: RunRecord) -
         if final.exists():  # e.g. re-training from an earlier checkpoint: keep the old one, aside
             move_aside(final, f"superseded by a new save of step {step}")
     trainer.strategy.barrier("save_step.prepare")
-    deepspeed = is_deepspeed(trainer.strategy)
+    fmt = checkpoint_format(trainer.strategy)
     # Every rank calls save_checkpoint: it is a collective (shards, RNG gather), and it ends in a barrier.
     with _write_errors_held(trainer) as (held, written):
-        if deepspeed:  # DeepSpeed's `latest` is left to `_commit` (rank 0, once every shard is written)
+        if fmt == "deepspeed":  # DeepSpeed's `latest` is left to `_commit` (rank 0, once every shard is written)
             trainer.save_checkpoint(tmp, weights_only=False, storage_options={"save_latest": False})
+        elif fmt == "dcp":  # every rank its shards, rank 0 the rest (training/fsdp2.py)
+            trainer.save_checkpoint(tmp, weights_only=False)
         else:
             trainer.save_checkpoint(tmp / LIGHTNING_FILE, weights_only=False)
     digests = {} if held else {str(p.relative_to(tmp)): hash_file(p) for p in written if p.is_file()}
@@ -109,7 +111,7 @@ def save_step(trainer: Trainer, pl_module: LightningModule, record: RunRecord) -
     if trainer.is_global_zero and error is None:
         known = {rel: digest for _, theirs in gathered for rel, digest in theirs.items()}
         try:
-            _commit(tmp, final, trainer, pl_module, "deepspeed" if deepspeed else "lightning", record, known)
+            _commit(tmp, final, trainer, pl_module, fmt, record, known)
         except OSError as err:
             error = _write_error(err)
     # Rank 0's outcome reaches every rank (a barrier would leave the others waiting forever if it raised).
@@ -117,6 +119,12 @@ def save_step(trainer: Trainer, pl_module: LightningModule, record: RunRecord) -
     if error is not None:
         raise CheckpointError(_save_failed(error, tmp, trainer))
     return final
+
+
+def checkpoint_format(strategy: Any) -> str:
+    """What the manifest's `format` says a checkpoint of `strategy` is: "deepspeed" (DeepSpeed's directory), "dcp"
+    (FSDP2's Distributed Checkpoint shards and meta.pt) or "lightning" (model.ckpt)."""
+    return "deepspeed" if is_deepspeed(strategy) else "dcp" if is_fsdp2(strategy) else "lightning"
 
 
 def _write_error(err: Exception) -> str:
@@ -133,8 +141,10 @@ def _write_errors_held(trainer: Trainer) -> Iterator[tuple[list[str], list[Path]
     this rank wrote, hashed right after the save). A full disk shows as an OSError, or as a RuntimeError from
     torch.save's zip writer. The writes: under DeepSpeed, every file its engine writes (its checkpoint engine and
     the recovery-script copy, `DeepSpeed.writes_held` in training/strategy.py), but `latest`, left to `_commit`
-    (it would otherwise be a raw write on rank 0 just before DeepSpeed's last barrier); otherwise Lightning's
-    checkpoint IO (`_HeldIO`)."""
+    (it would otherwise be a raw write on rank 0 just before DeepSpeed's last barrier); under FSDP2 its DCP shards
+    and meta.pt (`FSDP2.writes_held`, training/fsdp2.py); otherwise Lightning's checkpoint IO (`_HeldIO`). A
+    write that returns a list of paths wrote those files (DCP: this rank's shards); otherwise the file is the
+    write's second argument (`save(state, path)`)."""
     held: list[str] = []
     written: list[Path] = []
     strategy, rank = trainer.strategy, trainer.global_rank
@@ -147,12 +157,14 @@ def _write_errors_held(trainer: Trainer) -> Iterator[tuple[list[str], list[Path]
                 log.error("rank %d could not write its checkpoint: %s", rank, err)
                 held.append(_write_error(err))
                 return None
-            if len(args) >= 2 and isinstance(args[1], (str, os.PathLike)):  # save(state, path): a file written
+            if isinstance(result, list):
+                written.extend(result)
+            elif len(args) >= 2 and isinstance(args[1], (str, os.PathLike)):  # save(state, path): a file written
                 written.append(Path(args[1]))
             return result
         return call
 
-    if is_deepspeed(strategy):
+    if is_deepspeed(strategy) or is_fsdp2(strategy):
         with strategy.writes_held(holding):
             yield held, written
         return

@@ -8,9 +8,13 @@ dicts and its state dict: the LR scheduler, gradient clipping, `zero_grad` and `
 optimizer (one combined state, groups tagged "algorithm": "muon" | "adamw"), and each update is computed by
 torch's own implementations, unchanged.
 
-Not under DeepSpeed: ZeRO (stages 1–3) hands the optimizer flat 1-D partitions of the parameters, and its bf16
-wrapper flat fp32 copies, while Muon's Newton–Schulz step needs each whole 2-D matrix (training/lit_module.py
-refuses the combination with one line).
+Under FSDP2 (training/fsdp2.py) each matrix is a DTensor whose rows are split over the ranks: `GatheredMuon` keeps
+the momentum, weight decay and step on each rank's rows and runs Newton–Schulz on the whole matrix, gathered — the
+update one process computes, to the bit (tests/test_fsdp2_units.py).
+
+Not under DeepSpeed: ZeRO (stages 1–3) hands the optimizer flat 1-D partitions of the parameters, and DeepSpeed's
+own Muon for them computes another update than this one (registry.py's `zero_refusal` says by how much;
+training/lit_module.py refuses the combination with one line).
 """
 from __future__ import annotations
 
@@ -18,6 +22,50 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+
+class GatheredMuon(torch.optim.Muon):
+    """torch.optim.Muon that also steps FSDP2's row-sharded DTensor matrices: the momentum, the Nesterov blend,
+    the weight decay and the step act on each rank's own rows; Newton–Schulz, which needs the whole matrix, runs
+    on the update gathered from every rank (one all-gather per matrix), on every rank alike — torch's own
+    bfloat16 iteration on the same full matrix a single process orthogonalizes — and each rank keeps its rows.
+    (torchtitan's dist_muon and OLMo-core's Muon spread the iterations over the ranks instead; here every rank
+    repeats them, which at 125M–1B costs less than the gather.) Without DTensors: torch.optim.Muon unchanged."""
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        if not any(isinstance(p, DTensor) for g in self.param_groups for p in g["params"]):
+            return super().step(closure)
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    state = self.state[p]
+                    if "momentum_buffer" not in state:  # a DTensor like the gradient: DCP saves it sharded
+                        state["momentum_buffer"] = torch.zeros_like(p.grad)
+                    _sharded_step(p, state["momentum_buffer"], group)
+        return loss
+
+
+def _sharded_step(p: DTensor, buf: DTensor, group: dict[str, Any]) -> None:
+    """torch.optim.Muon's `_single_tensor_muon` for one row-sharded matrix (see `GatheredMuon`), with its own
+    Newton–Schulz and LR adjustment (torch internals, catalogued in training/compat.py)."""
+    from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
+
+    grad, momentum = p.grad.to_local(), group["momentum"]
+    buf.to_local().lerp_(grad, 1 - momentum)
+    update = grad.lerp(buf.to_local(), momentum) if group["nesterov"] else buf.to_local()
+    full = DTensor.from_local(update, p.device_mesh, p.placements, shape=p.shape, stride=p.stride()).full_tensor()
+    ortho = _zeropower_via_newtonschulz(full, group["ns_coefficients"], group["ns_steps"], group["eps"])
+    mine = distribute_tensor(ortho, p.device_mesh, p.placements, src_data_rank=None).to_local()
+    lr = float(group["lr"])
+    local = p.to_local()
+    local.mul_(1 - lr * group["weight_decay"])
+    local.add_(mine, alpha=-_adjust_lr(lr, group["adjust_lr_fn"], p.shape))
 
 
 class MuonWithAdamW(torch.optim.Optimizer):
@@ -31,7 +79,7 @@ class MuonWithAdamW(torch.optim.Optimizer):
         if not muon_groups:
             raise ValueError("optim.name=muon: the model has no block matrix for Muon to drive")
         # The inner optimizers fill their defaults into these same dicts; the outer one keeps them, in order.
-        self.muon = torch.optim.Muon(muon_groups, **muon)
+        self.muon = GatheredMuon(muon_groups, **muon)
         self.adamw = torch.optim.AdamW(adamw_groups, **adamw) if adamw_groups else None
         super().__init__(groups, defaults={})
         self._share()

@@ -4,7 +4,8 @@
       config.yaml                   the resolved config of the latest start (rewritten by every fit, validate, test)
       events.out.tfevents.*         TensorBoard events (training/loggers.py): the run's scalars
       checkpoints/step-XXXXXXXX/    one checkpoint, a directory whatever the strategy: DeepSpeed's own sharded
-                                    directory (each rank writes its shards), or Lightning's single file `model.ckpt`;
+                                    directory (each rank writes its shards), FSDP2's DCP shards (`.metadata`,
+                                    `__<rank>_0.distcp`, `meta.pt`), or Lightning's single file `model.ckpt`;
                                     beside the weights `config.yaml` (the resolved CLI config), `model_config.json`
                                     (the exact `ModelConfig`) and `manifest.json` (manifest.py), written last
       checkpoints/incomplete/       interrupted saves, moved aside at the next fit (never deleted)
@@ -35,6 +36,8 @@ MODEL_CONFIG_FILE = "model_config.json"
 MANIFEST = "manifest.json"
 LIGHTNING_FILE = "model.ckpt"  # the checkpoint file inside the directory when not under DeepSpeed
 DEEPSPEED_TAG = "checkpoint"  # the tag Lightning's DeepSpeedStrategy saves under (named by the `latest` file)
+DCP_METADATA = ".metadata"  # a DCP directory's index of its shards (FSDP2, training/checkpointing/dcp.py)
+DCP_META_FILE = "meta.pt"  # beside FSDP2's DCP shards: the rest of Lightning's checkpoint (loops, callbacks, RNG)
 TMP_PREFIX = ".tmp-"  # a directory being written (a save, a spike dump), renamed when complete
 EVAL_DIR = "eval"
 SPIKES_DIR = "spikes"

@@ -45,11 +45,11 @@ _CHUNK = 1 << 20
 class Manifest:
     step: int  # the optimizer step the checkpoint was saved after
     manifest_version: int | None = None  # VERSION when written by this normlab; None: an older one
-    format: str | None = None  # "deepspeed" (a DeepSpeed directory) or "lightning" (model.ckpt inside it)
+    format: str | None = None  # "deepspeed" (a DeepSpeed directory), "dcp" (FSDP2's shards) or "lightning" (model.ckpt)
     tokens_seen: int | None = None  # across restarts, also on other world sizes
     world_size: int | None = None
     zero_stage: int | None = None  # None without DeepSpeed
-    precision: dict[str, str] | None = None  # the precision regime (training/precision.py: precision_record)
+    precision: dict[str, Any] | None = None  # the precision regime (training/precision.py: precision_record)
     accumulate_grad_batches: int | None = None
     micro_batch_size: int | None = None
     seq_len: int | None = None
@@ -67,6 +67,10 @@ class Manifest:
     @property
     def deepspeed(self) -> bool:
         return self.format == "deepspeed"
+
+    @property
+    def dcp(self) -> bool:
+        return self.format == "dcp"
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Manifest:
@@ -105,8 +109,9 @@ class Manifest:
 
 
 def load_path(ckpt_dir: Path) -> Path:
-    """What the strategy's loader takes: the directory itself for DeepSpeed, the file inside it otherwise."""
-    return ckpt_dir if Manifest.read(ckpt_dir).deepspeed else ckpt_dir / LIGHTNING_FILE
+    """What the strategy's loader takes: the directory itself for DeepSpeed and DCP, the file inside it otherwise."""
+    manifest = Manifest.read(ckpt_dir)
+    return ckpt_dir if manifest.deepspeed or manifest.dcp else ckpt_dir / LIGHTNING_FILE
 
 
 def git_revision(repo: Path | None = None) -> str:

@@ -79,7 +79,7 @@ from training.stats.outcomes import (
     series_peak,
 )
 from training.stats.power import min_detectable, power_at, seeds_needed
-from training.stats.reach import Reach, ReachComparison, compare_reach, judge_reach, lr_reach
+from training.stats.reach import Reach, ReachComparison, compare_reach, judge_reach, lr_reach, reach_interval
 from training.stats.verdicts import (
     BETTER,
     COMPARISONS,
@@ -112,5 +112,6 @@ __all__ = ["ALPHA", "BETTER", "COMPARISONS", "EQUIVALENT", "EXACT_FLIPS", "FAIL"
            "compare_reach", "comparison_verdict", "count_spikes", "crossfit_best", "difference", "estimate",
            "exact_can_reject", "holm", "initial_loss_cap", "judge", "judge_counts", "judge_family", "judge_reach",
            "loss_z", "lr_reach", "lr_sensitivity", "mean_and_sd", "min_detectable", "no_estimate", "p_values",
-           "paired_difference", "perm_equivalent", "power_at", "seeds_for_exact", "seeds_needed", "series_peak",
-           "sign_flip_p", "signed_rank_sum", "slope", "t_quantile", "training_outcome", "with_divergences"]
+           "paired_difference", "perm_equivalent", "power_at", "reach_interval", "seeds_for_exact", "seeds_needed",
+           "series_peak", "sign_flip_p", "signed_rank_sum", "slope", "t_quantile", "training_outcome",
+           "with_divergences"]

@@ -101,6 +101,19 @@ def _width(lrs: Sequence[float], grid: np.ndarray, delta: float, mode: str) -> f
     return lr_reach(lrs, list(grid.mean(axis=1)), delta, mode).width
 
 
+def reach_interval(lrs: Sequence[float], per_lr: Sequence[Sequence[float]], delta: float, mode: str = "min",
+                   confidence: float = 0.95, resamples: int = 2000, seed: int = 0) -> tuple[float, float]:
+    """A percentile bootstrap interval of one configuration's reach: seeds resampled with replacement, the mean
+    curve and its reach recomputed each time (`per_lr` [LR][seed]); NaN with fewer than two seeds."""
+    grid = np.asarray(per_lr, dtype=float)
+    if grid.ndim != 2 or grid.shape[1] < 2:
+        return math.nan, math.nan
+    draws = [_width(lrs, grid[:, i], delta, mode)
+             for i in np.random.default_rng(seed).integers(0, grid.shape[1], size=(resamples, grid.shape[1]))]
+    lo, hi = np.quantile(draws, [(1 - confidence) / 2, (1 + confidence) / 2])
+    return float(lo), float(hi)
+
+
 @dataclass(frozen=True)
 class ReachComparison:
     """Configuration a against b (same seeds): the difference of their reaches (`estimate`: plug-in mean, jackknife

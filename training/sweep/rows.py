@@ -37,8 +37,9 @@ def verdict(j: Judgement, judged: bool, untested: str = "no test") -> str:
         return f"— ({untested})"
     if not j.exact_can_decide:
         need = seeds_for_exact(j.level)
-        return (f"no verdict: {j.seeds} seeds, and the exact sign-flip test needs ≥ {need} to reach α/k = "
-                f"{j.level:.3g} (the t-test alone says {j.verdict})")
+        alone = "" if j.exact_only else f" (the t-test alone: {j.verdict})"
+        return (f"no verdict: {j.seeds} seed{'s' if j.seeds != 1 else ''}, and the exact sign-flip test needs ≥ "
+                f"{need} to reach α/k = {j.level:.3g}{alone}")
     return f"**{j.verdict}**" + (f" ‡ (sign-flip: {j.verdict_perm})" if j.disagree else "")
 
 

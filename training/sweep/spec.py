@@ -172,7 +172,7 @@ def _mapping(path: Path, raw: Any, field_: str, scalar_values: bool) -> dict[str
             if not isinstance(v, (str, int, float, bool)) and v is not None or "/" in str(v) or "," in str(v):
                 raise _fail(path, f"{field_}.{key} value {v!r} must be a number, a word, true/false or null "
                             "(without '/' or ',': it becomes part of a directory name)")
-        if len(set(map(_same_value, values))) != len(values):  # (1 and 1.0 train the same run)
+        if field_ == "grid" and len(set(map(_same_value, values))) != len(values):  # (1 and 1.0: the same run)
             raise _fail(path, f"{field_}.{key} lists a value twice: {values!r}")
     return dict(raw)
 
@@ -223,6 +223,10 @@ def load_spec(path: str | Path) -> Spec:
     zipped = _mapping(path, raw.get("zip"), "zip", True)
     if len({len(v) for v in zipped.values()}) > 1:
         raise _fail(path, f"zip axes must have equal lengths, got { {k: len(v) for k, v in zipped.items()} }")
+    rows = list(zip(*([_same_value(x) for x in v] for v in zipped.values()), strict=True))
+    twice = next((i for i, row in enumerate(rows) if row in rows[:i]), None)
+    if twice is not None:  # an axis may repeat a value (arms that differ in another key), a whole row may not
+        raise _fail(path, f"zip lists row {twice + 1} twice: {({k: v[twice] for k, v in zipped.items()})!r}")
     both = sorted(set(grid) & set(zipped) | (set(grid) | set(zipped)) & set(overrides))
     if both:
         raise _fail(path, f"{both[0]!r} is set twice (grid, zip and base.overrides must not share keys)")

@@ -111,7 +111,8 @@ def reach_section(rule: dict[str, Any], groups: Sequence[LrGroup], base_group: s
         j, e = judged[name], c.estimate
         untested = ("a reach is a lower bound (≥): the grid does not contain its range" if c.censored
                     else "too few seeds")
-        rows.append(f"| {name} | {len(shared[name])} | {fmt(e.mean, '+.3f')} | "
+        bounds = " (of lower bounds)" if c.censored else ""
+        rows.append(f"| {name} | {len(shared[name])} | {fmt(e.mean, '+.3f')}{bounds} | "
                     f"[{fmt(e.lo, '+.3f')}, {fmt(e.hi, '+.3f')}] | "
                     f"[{fmt(c.bootstrap[0], '+.3f')}, {fmt(c.bootstrap[1], '+.3f')}] | "
                     f"{p_text(j.p['difference'])} / {p_text(j.p['difference_perm'])}, "

@@ -6,10 +6,12 @@ the maximum is kept over the step's micro-batches, and one MAX all-reduce of all
 rank's the global one. After the optimizer step (on_train_batch_end; the step whose update the guard skipped
 too), the offending heads' query and key rows are scaled:
 - one process, DDP: in place on each rank's parameters, which are the same everywhere;
-- DeepSpeed ZeRO 1–3: the fp32 master weights the optimizer steps are scaled through `safe_set_full_fp32_param`
-  (whole value read with `full_param`), and the module's own copy the forward reads with them — under ZeRO-3
-  gathered (`GatheredParameters`) and written by rank 0, then re-partitioned. Every rank clips the same layers in
-  the same order (the maxima are global), so the collectives match. Tested against one process on 2 ranks.
+- DeepSpeed ZeRO 1–3: the fp32 master weights the optimizer steps are scaled together with the module's own copy
+  the forward reads — under ZeRO-1/2 read whole (`full_param`, a collective) and written back to this rank's
+  fragment (`safe_set_full_fp32_param`) and to the module's full copy; under ZeRO-3 shard-wise, each rank scaling
+  the elements it holds (the module's `ds_tensor` and `safe_get/set_local_fp32_param`), with no gather. Every
+  rank clips the same layers in the same order (the maxima are global), so the collectives match. Tested against
+  one process on 2 ranks, every stage.
 Logged every step: `qk_clip/max_logit` (the largest logit of the step, every layer and head) and
 `qk_clip/heads_clipped`. One host read of the maxima per step (on a GPU, one sync).
 """
@@ -100,19 +102,33 @@ def clip(model: torch.nn.Module, maxima: torch.Tensor, tau: float,
 
 
 def _scale(p: torch.nn.Parameter, factors: torch.Tensor, deepspeed: bool, zero3: bool) -> None:
-    """p's head rows × factors, in the optimizer's fp32 master weights and in the module's copy (a collective
-    under ZeRO: every rank calls it for the same parameters in the same order)."""
+    """p's head rows × factors, in the optimizer's fp32 master weights and in the module's copy. ZeRO-1/2: the
+    master weights read whole (a collective: every rank calls it for the same parameters in the same order);
+    ZeRO-3: each rank scales its own shards (`_scale_shards`), with no collective."""
     if not deepspeed:
         p.copy_(scaled_rows(p, factors))
         return
-    import deepspeed as ds
+    if zero3:
+        _scale_shards(p, factors)
+        return
     from deepspeed.utils import safe_set_full_fp32_param
 
-    new = scaled_rows(full_param(p, True).float().reshape(getattr(p, "ds_shape", p.shape)), factors)
-    safe_set_full_fp32_param(p, new)
-    if zero3:  # the module's copy is partitioned: gathered, written on rank 0, partitioned again on exit
-        with ds.zero.GatheredParameters([p], modifier_rank=0):
-            if dist.get_rank() == 0:
-                p.data.copy_(new.to(p.dtype).view_as(p))
-    else:
-        p.data.copy_(new.to(p.dtype).view_as(p))
+    new = scaled_rows(full_param(p, True).float().reshape(p.shape), factors)
+    safe_set_full_fp32_param(p, new)  # this rank's fragment of the master weights
+    p.data.copy_(new.to(p.dtype))  # the module's copy, whole on every rank under ZeRO-1/2
+
+
+def _scale_shards(p: torch.nn.Parameter, factors: torch.Tensor) -> None:
+    """ZeRO-3: rank r holds elements [r·n, (r+1)·n) of the flattened parameter (the last shard padded), both of the
+    module's copy (`ds_tensor`) and of the fp32 master weights; each element's factor is its row's head's."""
+    from deepspeed.utils import safe_get_local_fp32_param, safe_set_local_fp32_param
+
+    shard = p.ds_tensor
+    n, rows = shard.numel(), p.ds_shape[0]
+    index = torch.arange(n, device=shard.device) + dist.get_rank(group=p.ds_process_group) * n
+    row = index // (p.ds_numel // rows)  # the element's row of [heads·D, in] (a bias: of [heads·D])
+    head = (row // (rows // factors.numel())).clamp(max=factors.numel() - 1)
+    scale = torch.where(index < p.ds_numel, factors.to(shard.device)[head], torch.ones((), device=shard.device))
+    shard.data.mul_(scale.to(shard.dtype))
+    master = safe_get_local_fp32_param(p)
+    safe_set_local_fp32_param(p, master * scale.to(master.dtype).view_as(master))

@@ -15,6 +15,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from data.atomic import write_text_atomic
 from training.errors import UserError
 from training.run.dir import RunDir
@@ -49,6 +51,36 @@ def csv_text(results: Sequence[RunResult], axes: Sequence[str], root: Path | Non
                          "" if r.initial_step is None else r.initial_step,
                          *(_number(r.values.get(c, math.nan)) for c in columns), where(r, root)])
     return buf.getvalue()
+
+
+def _value(text: str) -> Any:
+    """An axis value as runs.csv wrote it (str of the value; "" for null)."""
+    if text == "":
+        return None
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return yaml.safe_load(text)
+
+
+def csv_results(text: str, axes: Sequence[str]) -> list[RunResult]:
+    """The runs of a runs.csv (`csv_text`'s columns) as results the report's tables take: every number but the
+    curves — so a report's tables can be rebuilt, or runs.csv files of two sweeps joined, without the runs."""
+    def number(row: dict[str, str], key: str) -> float:
+        return float(row[key]) if row.get(key) not in (None, "") else math.nan
+
+    out = []
+    for row in csv.DictReader(io.StringIO(text)):
+        params = {a: _value(row[a]) for a in axes}
+        seed = int(row["seed"]) if row["seed"].lstrip("-").isdigit() else row["seed"]
+        values = {k: number(row, k) for k in ("spikes", "max_logit_peak") if k in row}
+        out.append(RunResult(row["cell"], params, seed, Path(row["run_dir"]), row["status"], row["outcome"] or None,
+                             number(row, "final"), int(row["final_step"]) if row["final_step"] else None,
+                             int(row["steps"] or 0), float(row["tokens"] or 0), number(row, "initial_loss"),
+                             int(row["initial_step"]) if row["initial_step"] else None, values=values))
+    return out
 
 
 def load_sweep(sweep_dir: Path) -> dict[str, Any]:

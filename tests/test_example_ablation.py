@@ -225,3 +225,18 @@ def test_the_example_is_powered_as_its_readme_says():
     readme = (EXAMPLE / "README.md").read_text()
     assert f"{len(spec()['seeds'])} seeds" in readme and "--plan" in readme
 
+
+def test_the_extended_grid_brackets_both_best_lrs_and_its_lr_reach_is_recomputed():
+    """LR 1e-3 (runs_low.csv) added below the grid: both groups' best LR is now inside it, and
+    report_extended.md's LR reach of each group and their difference are recomputed."""
+    ext = yaml.safe_load((EXAMPLE / "spec_extended.yaml").read_text())
+    with open(EXAMPLE / "runs_low.csv", newline="") as f:
+        low = list(csv.DictReader(f))
+    assert len(low) == 2 * len(ext["seeds"]) and all(r["status"] == "finished" for r in low)
+    lrs, grids = lr_curves(runs() + low, group_of)
+    assert lrs == ext["zip"]["optim.lr"]
+    for g in grids.values():
+        assert 0 < int(np.argmin(g.mean(axis=1))) < len(lrs) - 1  # bracketed
+    rule = ext["outcomes"]["lr_reach"]
+    check_reach((EXAMPLE / "report_extended.md").read_text(), lrs, grids, "qk_norm=head", rule["delta"],
+                rule["margin"])

@@ -5,9 +5,12 @@
 with the probes' forward hooks attached (`model.probes.record`: residual RMS and update ratios, softmax
 statistics and sink mass on sampled query rows, the stream's max/RMS and kurtosis), the per-layer gradient norms
 and the norm gains are read after backward, and the depth-profile figure is rendered (matplotlib, Agg) as
-`TrainingHealth` does for TensorBoard's Images tab; other steps run exactly as with metrics off. The script
-times plain and metrics steps in back-to-back pairs and amortizes the difference over `--every` steps; it also
-reports the figure's rendering time alone.
+`TrainingHealth` does for TensorBoard's Images tab; the stability telemetry (training/callbacks/stability.py: the
+exact per-layer max logit in the probed forward, ‖update‖/‖param‖ per block and group around the optimizer step)
+runs with them. Other steps run exactly as with metrics off. The script times a plain step, a metrics step
+without the stability telemetry and one with it back to back, and amortizes the differences over `--every`
+steps — so one run gives the whole overhead and the stability telemetry's share of it, on the same machine
+load; it also reports the figure's rendering time alone.
 
     python scripts/bench_metrics.py                 # the default job's model (dim 256, 4 layers, seq 256, batch 8)
 """
@@ -26,6 +29,7 @@ import torch  # noqa: E402
 from model import ModelConfig, Transformer  # noqa: E402
 from model.probes import grad_norms, norm_gains, record  # noqa: E402
 from training.callbacks import depth_profile  # noqa: E402
+from training.callbacks.stability import StabilityProbe  # noqa: E402
 
 
 def main() -> None:
@@ -48,12 +52,18 @@ def main() -> None:
     profile0: dict[str, float] = {}
     render_times: list[float] = []
 
-    def step(probe: bool) -> None:
+    stability = StabilityProbe()
+
+    def step(probe: bool, stable: bool = True) -> None:
         if probe:
+            if stable:
+                stability.start(model)
             with record(model) as rec:
                 loss = model(x[:, :-1], targets=x[:, 1:])
+            exact = stability.logits() if stable else {}
             loss.backward()
-            values = {**rec.scalars(), **grad_norms(model), **norm_gains(model)}
+            values = {**rec.scalars(), **grad_norms(model), **norm_gains(model),
+                      **{k: v.item() for k, v in exact.items()}}
             profile = depth_profile.profile_values(values)
             assert profile
             t = time.perf_counter()
@@ -63,30 +73,41 @@ def main() -> None:
             profile0.update(profile0 or profile)
         else:
             model(x[:, :-1], targets=x[:, 1:]).backward()
+        if probe and stable:
+            stability.before_step(model, deepspeed=False)
         opt.step()
+        if probe and stable:
+            assert stability.after_step(model, deepspeed=False)
         opt.zero_grad(set_to_none=True)
 
     for _ in range(3):
         step(False)
     step(True)
-    # Pairs of (plain step, metrics step), back to back: their difference is what one metrics step adds, and
-    # pairing cancels most of the load from other processes on a shared machine.
-    plain, extra = [], []
+    # Triples of (plain step, metrics step without and with the stability telemetry), back to back: their
+    # differences are what one metrics step adds, and keeping them together cancels most of the load from other
+    # processes on a shared machine.
+    plain, extra, without = [], [], []
     for _ in range(args.pairs):
         t0 = time.perf_counter()
         step(False)
         t1 = time.perf_counter()
-        step(True)
+        step(True, stable=False)
         t2 = time.perf_counter()
+        step(True)
+        t3 = time.perf_counter()
         plain.append(t1 - t0)
-        extra.append((t2 - t1) - (t1 - t0))
+        without.append((t2 - t1) - (t1 - t0))
+        extra.append((t3 - t2) - (t1 - t0))
     base, added = statistics.median(plain), statistics.median(extra)
     overhead = added / (args.every * base)  # one metrics step per `every` steps
+    stable = statistics.median(e - w for e, w in zip(extra, without, strict=True))
     print(f"model: dim {args.dim}, {args.layers} layers, seq {args.seq}, batch {args.batch}, vocab {args.vocab}; "
           f"{torch.get_num_threads()} threads; {args.pairs} pairs; load average {os.getloadavg()[0]:.1f}")
     print(f"median plain step {base * 1e3:.1f} ms; a metrics step adds {added * 1e3:.1f} ms "
           f"({added / base:+.1%} of one step)")
     print(f"of which the depth-profile figure: median {statistics.median(render_times) * 1e3:.1f} ms to render")
+    print(f"of which the stability telemetry (exact max logits, update/param ratios): median {stable * 1e3:.1f} ms, "
+          f"{stable / (args.every * base):+.2%} at one metrics step every {args.every}")
     print(f"overhead at one metrics step every {args.every}: {overhead:+.2%} (target <= 2%)")
 
 

@@ -41,30 +41,35 @@ def _metrics(out: str) -> dict[str, list[str]]:
     return {line.split()[0]: line.split() for line in metrics.splitlines()[3:] if line.strip()}
 
 
-def test_compare_two_runs(runs, workdir, tmp_path, capsys):
+def test_compare_two_runs(runs, workdir, tmp_path, capsys, monkeypatch):
     plot = tmp_path / "loss.png"
     assert main([str(runs / "rms"), str(runs / "ln"), "--last", "2", "--plot", str(plot)]) == 0
     out = capsys.readouterr().out
     differences = out.split("final metrics")[0]
 
-    # The one setting changed is the one difference (run names and directories are not differences).
+    # The one setting changed is the one difference (run names and directories are not differences), each run's
+    # value as its model was built: the default's RMSNorm named, not the config's None ("the preset's")
     rows = [line.split() for line in differences.splitlines()[3:] if line.strip()]
-    assert rows == [["model.norm", "None", "layernorm"]]
+    assert rows == [["model.norm", "rmsnorm", "layernorm"]]
 
     table = _metrics(out)
     for name in ("rms", "ln"):
         run = runs / name
         val = scalars(run, "val/loss")  # validated at steps 4 and 8
-        spread = abs(val[8] - val[4]) / 2  # the std of two numbers
-        last = {tag: (points := scalars(run, tag))[max(points)] for tag in (
-            "resid/final_in", "resid/rms/L0", "attn/max_logit/L0", "attn/max_logit/L1")}  # the last logged values
+        last = {tag: (points := scalars(run, tag))[max(points)] for tag in ("resid/final_in", "resid/rms/L0")}
         resid = last["resid/final_in"] / last["resid/rms/L0"]
-        logit = max(last["attn/max_logit/L0"], last["attn/max_logit/L1"])
+        peak = max(v for layer in (0, 1) for v in scalars(run, f"attn/max_logit_exact_worst/L{layer}").values())
         row = table[name]
-        assert row[1:4] == [f"{val[8]:.4f}", "±", f"{spread:.4f}"]
-        assert row[5:7] == ["8", f"{8 * 4 * 16 * 2:,}"]  # steps; tokens = steps x batch x seq_len x accumulation
-        assert row[8:] == [f"{logit:.2f}", f"{resid:.2f}"]
+        assert row[1] == f"{val[8]:.4f}"  # no ± : one run has no spread over seeds
+        assert row[3:5] == ["8", f"{8 * 4 * 16 * 2:,}"]  # steps; tokens = steps x batch x seq_len x accumulation
+        assert row[7:] == [f"{peak:.2f}", f"{resid:.2f}"]
+    assert "tok/s*" in out and "MFU*" in out and "* measured on the machine, with its load, at the time" in out
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # the plot is written only where asked, and never over an existing file
+    monkeypatch.chdir(tmp_path)
+    assert main([str(runs / "rms"), str(runs / "ln")]) == 0 and sorted(p.name for p in tmp_path.iterdir()) == [
+        "loss.png"]
+    capsys.readouterr()
 
     from training.cli import main as normlab  # (a user error is printed by the one entry point)
 
@@ -86,7 +91,9 @@ def test_the_metric_is_any_scalar_tag(runs, tmp_path, capsys):
     (["--metric", "val/lsos"], "--metric 'val/lsos' is logged by none of the runs; choose a scalar tag they log"),
     (["--group_by", "model.nrom"], "--group_by model.nrom: no such key in"),
     (["--group_by", "optim.lr"], "are both lr=0.001 at seed_everything=1234: a cell needs one run per seed"),
-    (["--baseline", "norm=None"], "--baseline and --margin compare cells: give --group_by KEY... too"),
+    (["--baseline", "norm=None"], "--baseline, --margin and --outcome compare cells: give --group_by KEY... too"),
+    (["--group_by", "model.norm", "--outcome", "spikes", "window=1", "threshold=3"],
+     "--outcome: outcomes.spikes.window 1 must be >= 2"),
     (["--group_by", "model.norm", "--baseline", "norm=rms"], "baseline 'norm=rms' is not a cell"),
 ])
 def test_bad_input_is_one_line(runs, tmp_path, capsys, args, message):
@@ -96,6 +103,17 @@ def test_bad_input_is_one_line(runs, tmp_path, capsys, args, message):
     err = capsys.readouterr().err.strip()
     assert err.startswith("normlab compare: error: ") and message in err and len(err.splitlines()) == 1
     assert not (tmp_path / "p.png").exists()
+
+
+def test_an_existing_plot_is_not_overwritten(runs, tmp_path, capsys):
+    from training.cli import main as normlab
+
+    plot = tmp_path / "mine.png"
+    plot.write_bytes(b"an earlier figure")
+    assert normlab(["compare", str(runs / "rms"), str(runs / "ln"), "--plot", str(plot)]) == 2
+    assert capsys.readouterr().err.strip() == (f"normlab compare: error: --plot {plot} exists: choose another file, "
+                                               "or delete it first")
+    assert plot.read_bytes() == b"an earlier figure"
 
 
 def test_without_val_loss_it_compares_train_loss_and_says_so(runs, unvalidated, tmp_path, capsys):

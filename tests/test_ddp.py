@@ -28,7 +28,7 @@ def fit_args(workdir: Path, name: str, *extra: str, devices: int = 2, probe: str
     return ["fit", "-c", str(HELPERS / "tiny.yaml"), "-c", str(HELPERS / probe) if "/" not in probe else probe,
             "--data.path", str(workdir / "tiny"), "--runs_dir", str(workdir / "runs"), "--name", name,
             "--trainer.strategy", "ddp", "--trainer.devices", str(devices), "--checkpoint.every_n_steps", "3",
-            *extra]
+            "--optim.name", "muon", "--optim.qk_clip", "0.03", *extra]  # Muon with QK-clip: MuonClip under DDP
 
 
 def ckpt(workdir: Path, name: str, step: int) -> Path:
@@ -69,7 +69,9 @@ def test_ddp_fit_checkpoints_manifest_and_health_metrics(workdir, reference):
     acc.Reload()
     tags = set(acc.Tags()["scalars"])
     assert {"grad/global", "grad/norm/L0", "param/norm/L1", "resid/rms/L1", "attn/entropy/L0",
-            "guard/loss_z", "throughput/tokens_per_sec", "val/loss"} <= tags, sorted(tags)
+            "guard/loss_z", "throughput/tokens_per_sec", "val/loss", "optim/update_ratio/attn/L0",
+            "attn/max_logit_exact_worst/L1"} <= tags, sorted(tags)
+    assert sum(scalars(reference, "qk_clip/heads_clipped").values()) > 0  # (its runs clip: see fit_args)
 
 
 @pytest.mark.slow

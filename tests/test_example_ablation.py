@@ -8,6 +8,7 @@ import itertools
 import math
 import re
 import statistics
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -79,6 +80,87 @@ def table_row(report: str, section: str, first_cell: str, contains: str) -> list
     raise AssertionError(f"no row {first_cell!r} with {contains!r} under '## {section}'")
 
 
+def reach(lrs: list[float], curve: list[float], delta: float) -> float:
+    """The width in log10 LR of the range around the curve's minimum where it stays within delta of it, each end
+    interpolated linearly in log10 LR (a range that runs to the grid's end stops there)."""
+    x, best = np.log10(lrs), int(np.argmin(curve))
+    level, ends = curve[best] + delta, []
+    for step in (1, -1):
+        i = best
+        while 0 <= i + step < len(x) and curve[i + step] <= level:
+            i += step
+        j = i + step
+        if not 0 <= j < len(x):
+            ends.append(x[i])
+        else:
+            ends.append(x[i] + (level - curve[i]) / (curve[j] - curve[i]) * (x[j] - x[i]))
+    return float(ends[0] - ends[1])
+
+
+def lr_curves(rows: list[dict[str, str]], group: Callable[[dict[str, str]], str]
+              ) -> tuple[list[float], dict[str, np.ndarray]]:
+    """The LRs ascending and, per group, the [LR][seed] final val/loss, a diverged run counted as its seed's loss
+    at initialization (the median over the group's runs at that seed) and a final above it capped there."""
+    lrs = sorted({float(r["optim.lr"]) for r in rows})
+    seeds = sorted({int(r["seed"]) for r in rows})
+    out = {}
+    for name in sorted({group(r) for r in rows}):
+        grid = np.full((len(lrs), len(seeds)), np.nan)
+        for j, seed in enumerate(seeds):
+            at = [r for r in rows if group(r) == name and int(r["seed"]) == seed]
+            cap = statistics.median(float(r["initial_loss"]) for r in at)
+            for r in at:
+                final = float(r["final"]) if r["final"] not in ("", "nan") else math.inf
+                value = cap if r["outcome"] == "diverged" or not math.isfinite(final) else min(final, cap)
+                grid[lrs.index(float(r["optim.lr"])), j] = value
+        assert not np.isnan(grid).any(), name  # every LR at every seed
+        out[name] = grid
+    return lrs, out
+
+
+def reach_difference(lrs: list[float], a: np.ndarray, b: np.ndarray, delta: float) -> dict[str, float]:
+    """Reach of a's seed-mean curve minus b's, its jackknife interval and t-test over seeds (each seed left out of
+    both arms), and the exact swap test (the arms' runs exchanged at every subset of seeds)."""
+    n = a.shape[1]
+
+    def diff(x: np.ndarray, y: np.ndarray) -> float:
+        return reach(lrs, list(x.mean(axis=1)), delta) - reach(lrs, list(y.mean(axis=1)), delta)
+
+    d = diff(a, b)
+    loo = np.array([diff(np.delete(a, s, 1), np.delete(b, s, 1)) for s in range(n)])
+    se = math.sqrt((n - 1) / n * float(np.sum((loo - loo.mean()) ** 2)))
+    half = stats.t.ppf(1 - ALPHA / 2, n - 1) * se
+    swapped = [abs(diff(np.where(s, b, a), np.where(s, a, b)))
+               for s in map(np.array, itertools.product((False, True), repeat=n))]
+    return {"d": d, "lo": d - half, "hi": d + half, "p_t": 2 * stats.t.sf(abs(d) / se, n - 1),
+            "p_swap": float(np.mean(np.array(swapped) >= abs(d) - 1e-9))}
+
+
+def reach_rows(report: str, group: str) -> list[list[str]]:
+    """The LR reach section's rows of `group`: its own reach, then (if compared) its difference."""
+    body = report.split("## Stability: LR reach", 1)[1].split("\n## ", 1)[0]
+    rows = [[c.strip() for c in line.strip().strip("|").split("|")] for line in body.splitlines()
+            if line.startswith("|")]
+    return [r for r in rows if r[0] == group]
+
+
+def check_reach(report: str, lrs: list[float], grids: dict[str, np.ndarray], base: str, delta: float,
+                margin: float) -> None:
+    """Each group's reach and each other group's difference from `base` against the report's LR reach section."""
+    for name, g in grids.items():
+        w = reach(lrs, list(g.mean(axis=1)), delta)
+        assert numbers(reach_rows(report, name)[0][2].replace("≥", "")) == pytest.approx([w], abs=6e-4), name
+    for name in (n for n in grids if n != base):
+        r = reach_difference(lrs, grids[name], grids[base], delta)
+        cells = reach_rows(report, name)[1]
+        assert numbers(cells[2].split("(")[0]) == pytest.approx([r["d"]], abs=6e-4)
+        assert numbers(cells[3]) == pytest.approx([r["lo"], r["hi"]], abs=6e-4)
+        assert numbers(cells[5])[:2] == pytest.approx([r["p_t"], r["p_swap"]], rel=6e-3, abs=1e-9)
+        verdict = ("EQUIVALENT" if -margin < r["lo"] and r["hi"] < margin else
+                   ("BETTER" if r["d"] > 0 else "WORSE") if r["p_t"] < ALPHA else "INCONCLUSIVE")  # wider: better
+        assert cells[-1].replace("*", "").split()[0] == verdict, (name, cells[-1], r)
+
+
 @pytest.fixture(scope="module")
 def report() -> str:
     return (EXAMPLE / "report.md").read_text()
@@ -142,3 +224,19 @@ def test_the_example_is_powered_as_its_readme_says():
     """Sized before the run: the README states the planned power and the seeds; the spec has those seeds."""
     readme = (EXAMPLE / "README.md").read_text()
     assert f"{len(spec()['seeds'])} seeds" in readme and "--plan" in readme
+
+
+def test_the_extended_grid_brackets_both_best_lrs_and_its_lr_reach_is_recomputed():
+    """LR 1e-3 (runs_low.csv) added below the grid: both groups' best LR is now inside it, and
+    report_extended.md's LR reach of each group and their difference are recomputed."""
+    ext = yaml.safe_load((EXAMPLE / "spec_extended.yaml").read_text())
+    with open(EXAMPLE / "runs_low.csv", newline="") as f:
+        low = list(csv.DictReader(f))
+    assert len(low) == 2 * len(ext["seeds"]) and all(r["status"] == "finished" for r in low)
+    lrs, grids = lr_curves(runs() + low, group_of)
+    assert lrs == ext["zip"]["optim.lr"]
+    for g in grids.values():
+        assert 0 < int(np.argmin(g.mean(axis=1))) < len(lrs) - 1  # bracketed
+    rule = ext["outcomes"]["lr_reach"]
+    check_reach((EXAMPLE / "report_extended.md").read_text(), lrs, grids, "qk_norm=head", rule["delta"],
+                rule["margin"])

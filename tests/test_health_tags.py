@@ -12,18 +12,24 @@ from model.probes import gain_stats, gain_tags, grad_norms, record
 from tests.helpers.multiproc import REPO
 from training import health_tags as T
 from training.callbacks.health import TrainingHealth
+from training.callbacks.stability import StabilityProbe
 
 
 def written_tags() -> set[str]:
     """Every tag a metrics step writes for a tiny QK-normed model with a learnable sink and an output gate: the
-    recorder's, the gradient norms, the norm gains' and the health callback's parameter statistics."""
+    recorder's, the gradient norms, the norm gains', the health callback's parameter statistics and the stability
+    telemetry (exact max logits, update ratios)."""
     cfg = ModelConfig.preset("qwen3", vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=16,
                              attn_sink="learnable", attn_gate="head")
     model = Transformer(cfg)
     tokens = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(0))
+    stability = StabilityProbe()
+    stability.start(model)
     with record(model) as rec:
         model(tokens[:, :-1], targets=tokens[:, 1:]).backward()
-    tags = set(rec.scalars()) | set(grad_norms(model))
+    stability.before_step(model, deepspeed=False)
+    tags = set(rec.scalars()) | set(grad_norms(model)) | set(stability.logits())
+    tags |= set(stability.after_step(model, deepspeed=False))
     for name, p in model.named_parameters():
         if name in gain_tags(model):
             tags |= set(gain_stats(p.detach(), *gain_tags(model)[name]))

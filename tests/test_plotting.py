@@ -28,3 +28,12 @@ def test_the_study_and_the_sweep_draw_the_same_band():
     import training.sweep.plots
 
     assert training.study.plots.band is training.sweep.plots.band is training.plotting.band
+
+
+def test_one_validation_per_run_is_a_marker_with_its_range_not_an_empty_panel():
+    fig, ax = pyplot().subplots()
+    line = band(ax, [300], [[5.9], [6.1], [6.0]], "arm")
+    assert line.get_marker() == "o" and np.allclose(line.get_ydata(), [6.0])
+    (bar,) = ax.collections  # the range over seeds as a vertical bar
+    assert np.allclose(sorted(bar.get_segments()[0][:, 1]), [5.9, 6.1])
+    pyplot().close(fig)

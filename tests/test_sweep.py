@@ -163,6 +163,14 @@ def test_rerun_of_a_finished_sweep_trains_nothing_and_status_shows_every_run(wor
         record = json.loads((sweep_dir / rel / "sweep-run.json").read_text())
         assert seconds == f"{round(record['ended'] - record['started'])}s"
     assert out[5] == "4/4 done (4 finished)"
+    # a seed more: its runs' time is estimated from those this sweep has finished
+    write_spec(work, "ref", seeds=[0, 1, 2])
+    try:
+        assert main(["sweep", str(reference), "--dry_run"]) == 0
+    finally:
+        write_spec(work, "ref")
+    assert re.match(r"time: about \d+ s for 2 runs, 1 at a time — the mean wall time of this sweep's 4 finished "
+                    r"runs \(\d+ s each\)", capsys.readouterr().out.splitlines()[-1])
 
 
 @pytest.mark.slow
@@ -186,17 +194,29 @@ def test_a_spec_edit_that_changes_a_trained_run_is_refused_naming_it(work, refer
         assert len(err) == 1 and "tiny.yaml (file edited)" in err[0], err
     finally:
         tiny.write_text(original)
+    # what the report judges is fixed once runs have trained: a new margin is refused, even by --status
+    write_spec(work, "ref", margin=0.1)
+    try:
+        assert main(["sweep", str(reference), "--status"]) == 2
+    finally:
+        write_spec(work, "ref")
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "margin was 0.05 when this sweep's runs trained" in err[0] and "is now 0.1" in err[0]
 
 
 def test_dry_run_lists_every_run_and_its_exact_fit_command(work, capsys):
     spec = write_spec(work, "dry", grid={"model.placement": ["pre", "post"]},
                       zip={"optim.lr": [0.001, 0.003], "optim.min_lr": [0.0001, 0.0003]}, seeds=[3],
                       data_order="seed", baseline=None)
-    assert main(["sweep", str(spec), "--dry_run"]) == 0
+    assert main(["sweep", str(spec), "--dry_run", "--max_parallel", "2"]) == 0
     out = capsys.readouterr().out
     cells = ["placement=pre,lr=0.001,min_lr=0.0001", "placement=pre,lr=0.003,min_lr=0.0003",
              "placement=post,lr=0.001,min_lr=0.0001", "placement=post,lr=0.003,min_lr=0.0003"]
-    assert [line.split()[0] for line in out.splitlines()[1::2]] == [f"{c}/s3" for c in cells]
+    *listed, estimate = out.splitlines()[1:]
+    assert [line.split()[0] for line in listed[::2]] == [f"{c}/s3" for c in cells]
+    # nothing has run: the time is calibrated here, one model per placement (the LR does not change a step's time)
+    assert re.match(r"time: about \d+ s for 4 runs, 2 at a time — calibrated here, now: 2 model\(s\) timed over 2 "
+                    r"fp32 training steps each on \d+ thread\(s\)", estimate), estimate
     sweep_dir = work / "runs" / "dry"
     assert (f"python -m training.cli fit -c {work}/tiny.yaml --data.path={work}/tiny --trainer.max_steps=16 "
             f"--model.placement=post --optim.lr=0.003 --optim.min_lr=0.0003 --data.seed=3 --seed_everything=3 "
@@ -226,6 +246,8 @@ def test_example_specs_parse(example, monkeypatch, capsys):
     ({"question": "lr_sensitivity"}, "question 'lr_sensitivity' compares LR groups: give an lr_key"),
     ({"compare": ["placement=mid"]}, "compare entry 'placement=mid' is not a cell other than the baseline's; choose "
                                      "from: placement=post"),
+    ({"metric": {"tag": "val/loss", "reduce": "median"}}, "reduce 'median' is not one of final, min, max"),
+    ({"outcomes": {"spikes": {"window": 50}}}, "outcomes.spikes needs threshold (fixed before the runs)"),
 ])
 def test_a_bad_spec_is_one_line_naming_the_field(work, change, message):
     spec = write_spec(work, "bad", **change)

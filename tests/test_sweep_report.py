@@ -2,8 +2,9 @@
 every number in report.md and runs.csv equals the one recomputed here from each run's own TensorBoard event
 files (EventAccumulator directly, and scipy for the intervals), a diverged run is counted as an outcome (the
 worst value of its seed), the spec's question decides what is judged and Holm's family, the baseline that is the
-best cell is flagged, `--plan` sizes the seeds from the sweep as a pilot, `normlab compare --group_by` prints
-the same tables, and bad input is one line."""
+best cell is flagged only when it was not fixed in the spec, `--plan` sizes the seeds from the sweep as a pilot,
+`normlab compare --group_by` prints the same tables, the stability outcomes (spikes, the peak max logit, the LR
+reach) are recomputed from the event files too, with 2 seeds no verdict is bold, and bad input is one line."""
 from __future__ import annotations
 
 import csv
@@ -29,15 +30,19 @@ CELLS = [(f"placement={p},lr={lr!r}", {"model.placement": p, "optim.lr": lr}) fo
          for lr in (0.001, HUGE_LR)]
 RUNS = [(cell, params, seed) for cell, params in CELLS for seed in (0, 1)]
 BASELINE, HUGE, POST, POST_HUGE = (cell for cell, _ in CELLS)
+OUTCOMES = {"spikes": {"window": 3, "threshold": 1.5, "margin": 1},  # 8 logged losses: a short window
+            "max_logit_peak": {"margin": 0.01}, "lr_reach": {"delta": 0.05, "margin": 0.5}}
 
 
 @pytest.fixture(scope="module")
 def sweep(workdir: Path) -> Path:
     """runs/demo: the eight runs trained by `normlab sweep`, two at a time."""
     spec = {"name": "demo", "runs_dir": str(workdir / "runs"),
-            "base": {"config": [str(TINY)], "overrides": {"data.path": str(workdir / "tiny")}},
+            "base": {"config": [str(TINY)], "overrides": {"data.path": str(workdir / "tiny"),
+                                                          "metrics.every_n_steps": 4}},
             "grid": {"model.placement": ["pre", "post"], "optim.lr": [0.001, HUGE_LR]},
-            "seeds": [0, 1], "metric": "val/loss", "mode": "min", "baseline": BASELINE, "margin": 0.05}
+            "seeds": [0, 1], "metric": "val/loss", "mode": "min", "baseline": BASELINE, "margin": 0.05,
+            "outcomes": OUTCOMES}
     (workdir / "demo.yaml").write_text(yaml.safe_dump(spec))
     run_normlab(["sweep", str(workdir / "demo.yaml"), "--max_parallel", "2"], cwd=workdir, timeout=900)
     root = workdir / "runs" / "demo"
@@ -73,8 +78,10 @@ def _csv(path: Path) -> dict[tuple[str, str], dict[str, str]]:
 def test_report_numbers_equal_those_recomputed_from_the_event_files(sweep):
     proc = run_normlab(["sweep", str(sweep.parents[1] / "demo.yaml"), "--report"], cwd=sweep.parents[1])
     out = sweep / "report" / "report.md"
-    assert proc.stdout.strip() == f"report: {out}"
     text = out.read_text()
+    # the console gets the verdict tables, then where the whole report is
+    assert proc.stdout.startswith("## Against the baseline") and proc.stdout.strip().endswith(f"report: {out}")
+    assert _section(proc.stdout, "Against the baseline") == _section(text, "Against the baseline")
     final = {(c, s): _events(sweep / c / f"s{s}", "val/loss")[-1] for c, p, s in RUNS if p["optim.lr"] != HUGE_LR}
 
     # runs.csv: every run's final metric exactly, at the last step (8), and its outcome by the study's rule
@@ -124,7 +131,8 @@ def test_a_diverged_run_is_an_outcome_not_a_number(sweep, tmp_path):
         # seeds (signed ranks: p = 2/4) — never EQUIVALENT, and too few seeds to call it WORSE
         row = _row(_section(text, "Against the baseline"), cell)
         assert row[1] == "0 of 2" and row[4].startswith("0.5 / 0.5, ") and row[6] == "2 / 0"
-        assert row[5].startswith("—") and row[8] == "**INCONCLUSIVE**"
+        assert row[5].startswith("—") and row[8].startswith("no verdict: 2 seeds, and the exact sign-flip test needs "
+                                                             "≥ 7 to reach α/k = 0.0167")
         assert all(rows[cell, s]["outcome"] == "diverged" and rows[cell, s]["final"] == "" for s in ("0", "1"))
 
     # the LR table: each placement's best LR is the default one (at the grid's edge: unbracketed), and its LR
@@ -169,8 +177,44 @@ def test_runs_the_runner_has_not_finished_are_listed_not_counted(sweep, tmp_path
     assert row[1] == "2" and row[2].endswith(" / 1") and row[5] == f"s0: {s0:.4f}, s1: diverged"
     assert _row(_section(text, "Cells"), POST)[1] == "1"
     row = _row(_section(text, "Against the baseline"), POST)
-    assert row[1] == "1 of 1" and row[8] == "**INCONCLUSIVE**"  # one pair: no interval
+    assert row[1] == "1 of 1" and row[8].startswith("no verdict: 1 seed,")  # one pair: no interval, no verdict
     assert f"`{sweep / POST / 's1'}` ({POST}): pending" in _section(text, "Not included")
+
+
+def test_the_stability_outcomes_recomputed_from_the_event_files(sweep, tmp_path):
+    """Spikes: the guard's z-score (window 3) replayed here in numpy over each run's logged train/loss; peak: the
+    largest logged exact worst-head logit over layers and steps; both per run in runs.csv and per cell in the
+    report; the spike comparison's exact p enumerated; the reach: each placement's best LR at the grid's edge (the
+    other LR diverges), so its reach is a lower bound and no reach comparison is judged."""
+    import numpy as np
+
+    text = write_report(sweep, tmp_path / "r").read_text()
+    rows = _csv(tmp_path / "r" / "runs.csv")
+    spikes, peaks = {}, {}
+    for cell, params, seed in RUNS:
+        if params["optim.lr"] == HUGE_LR:
+            continue
+        run_dir = sweep / cell / f"s{seed}"
+        losses = np.array(_events(run_dir, "train/loss"))
+        z = [(x - losses[max(0, i - 3):i].mean()) / losses[max(0, i - 3):i].std(ddof=1)
+             for i, x in enumerate(losses) if i >= 2]
+        spikes[cell, seed] = sum(v > 1.5 for v in z)
+        peaks[cell, seed] = max(v for layer in (0, 1) for v in _events(run_dir, f"attn/max_logit_exact_worst/L{layer}"))
+        assert float(rows[cell, str(seed)]["spikes"]) == spikes[cell, seed]
+        assert float(rows[cell, str(seed)]["max_logit_peak"]) == pytest.approx(peaks[cell, seed], rel=1e-6)
+    row = _row(_section(text, "Stability: peak max attention logit"), POST)
+    assert row[3] == f"s0: {peaks[POST, 0]:.4g}, s1: {peaks[POST, 1]:.4g}"
+    spike_rows = _section(text, "Stability: loss spikes")
+    d = [spikes[POST, s] - spikes[BASELINE, s] for s in (0, 1)]
+    compared = _row(spike_rows.split("| cell − ", 1)[1], POST)
+    if any(spikes[c, s] for c in (POST, BASELINE) for s in (0, 1)):
+        exact = np.mean([abs(a * d[0] + b * d[1]) >= abs(sum(d)) for a in (1, -1) for b in (1, -1)])
+        assert compared[4].startswith(f"{exact:.3g} / {exact:.3g}")
+    else:
+        assert compared[8] == "— (no spikes in either arm)"
+    reach = _section(text, "Stability: LR reach")
+    assert _row(reach, "placement=pre")[1] == "0.001 (unbracketed)" and _row(reach, "placement=pre")[2].startswith("≥")
+    assert _row(reach.split("| group − ", 1)[1], "placement=post")[7].startswith("— (a reach is a lower bound")
 
 
 def test_the_plots_and_files_are_written_whole(sweep, tmp_path):
@@ -187,11 +231,20 @@ def test_compare_group_by_prints_the_reports_tables(sweep, tmp_path, capsys):
 
     report = write_report(sweep, tmp_path / "report").read_text()
     dirs = [str(sweep / c / f"s{s}") for c, _, s in RUNS]  # the diverged ones too (their own record says so)
+    outcomes = [arg for name, rule in OUTCOMES.items() for arg in ("--outcome", name, *(f"{k}={v}" for k, v in
+                                                                                         rule.items()))]
     assert main(["compare", *dirs, "--group_by", "model.placement", "optim.lr", "--baseline", BASELINE,
-                 "--margin", "0.05", "--plot", str(tmp_path / "c.png")]) == 0
+                 "--margin", "0.05", *outcomes, "--plot", str(tmp_path / "c.png")]) == 0
     printed = capsys.readouterr().out
-    for title in ("Cells", "Against the baseline", "Learning rate"):
-        assert _section(printed, title).split("\n\n")[1] == _section(report, title).split("\n\n")[1], title
+    for title in ("Cells", "Against the baseline", "Learning rate", "Stability: loss spikes",
+                  "Stability: peak max attention logit", "Stability: LR reach"):
+        assert _tables(_section(printed, title)) == _tables(_section(report, title)), title
+    assert (tmp_path / "c.png").is_file()
+
+
+def _tables(section: str) -> list[str]:
+    """The Markdown tables of a section (a warning or note paragraph aside)."""
+    return [p.strip() for p in section.split("\n\n") if p.startswith("|")]
 
 
 def _variant(sweep: Path, root: Path, **fields) -> Path:
@@ -246,7 +299,7 @@ def test_the_question_decides_what_is_judged(sweep, tmp_path):
     post, pre = _sensitivities(sweep, "post", POST), _sensitivities(sweep, "pre", BASELINE)
     res = scipy_stats.ttest_rel(post, pre)
     assert sens[3] == f"{statistics.fmean(post) - statistics.fmean(pre):+.4f}"
-    assert sens[6].startswith(f"{res.pvalue:.3g} / ") and sens[8].startswith("**")
+    assert sens[6].startswith(f"{res.pvalue:.3g} / ") and sens[8].startswith("no verdict: 2 seeds")  # judged
     assert best[8] == "— (not the question)"
     assert _row(_section(text, "Against the baseline"), POST)[8] == "— (not the question)"
     assert "question `lr_sensitivity`" in text
@@ -257,8 +310,12 @@ def test_a_baseline_that_is_the_best_cell_is_flagged(sweep, tmp_path):
               for c in (BASELINE, POST)}
     best, other = sorted(finals, key=finals.get)
     compare = {"compare": [other]}  # the diverged cells are no candidates
-    flagged = write_report(_variant(sweep, tmp_path / "b", baseline=best, **compare)).read_text()
+    # a baseline chosen after the runs (as `normlab compare --baseline` takes one) is flagged...
+    flagged = write_report(_variant(sweep, tmp_path / "b", baseline=best, baseline_from=None, **compare)).read_text()
     assert f"**Warning:** the baseline `{best}` is the best of the 2 cells compared" in flagged
+    # ...one the spec fixed before the runs is not: it cannot have been picked for winning
+    fixed = write_report(_variant(sweep, tmp_path / "f", baseline=best, **compare)).read_text()
+    assert "**Warning:**" not in fixed
     plain = write_report(_variant(sweep, tmp_path / "o", baseline=other, compare=[best])).read_text()
     assert "**Warning:**" not in plain
     assert _section(plain, "Against the baseline").count("| placement=") == 1  # only the family's cell

@@ -94,6 +94,9 @@ def test_zero_fit_completes_and_learns(stage, request, zero2, single):
     # gradients, and the loss over other groupings, which can move the last bits.
     assert losses == pytest.approx(scalars(zero2, "train/loss"), rel=1e-6, abs=0)
     assert losses == pytest.approx(scalars(single, "train/loss"), rel=1e-5, abs=0)
+    # QK-clip scaled heads at every step (the runs' optim.qk_clip): the partitioned weights were clipped as the
+    # plain process clips its own, or the losses and weights here would part from the single run's
+    assert all(v > 0 for v in scalars(run, "qk_clip/heads_clipped").values())
     plain = consolidated_state_dict(ckpt(single, 8), tmp_path_for(run))
     for name, tensor in consolidated_state_dict(ckpt(run, 8), tmp_path_for(run)).items():
         torch.testing.assert_close(tensor, plain[name], rtol=1e-5, atol=1e-6)

@@ -1,23 +1,28 @@
 """`normlab compare runs/A runs/B ...`: the summary every norm ablation ends with (TensorBoard stays the live view).
 
-Prints the settings in which the runs' resolved configs differ, then one row of final metrics per run, read from
-its TensorBoard event files and newest checkpoint manifest:
+Prints the settings in which the runs' resolved configs differ — the model's fields as the model was built (its
+newest checkpoint's `model_config.json`, else resolved from its preset: `pre`, not None) — then one row of final
+metrics per run, read from its TensorBoard event files and newest checkpoint manifest:
 - the metric (`--metric`, any scalar tag; by default `val/loss`, else `train/loss` when some run never validated,
-  which the first line of the output says): its last value, ± the standard deviation of its last `--last` values
-  (how settled it is);
+  which the first line of the output says): its last value. One run has no spread over seeds; `--group_by`
+  groups runs into cells with the seed as the replicate, and gives mean ± sd over seeds;
 - `bpb`: the last bits per byte (`val/bpb`, else `eval/val/bpb` from `normlab evaluate`), `-` when never logged;
 - `tokens`: tokens trained on (the manifest's `tokens_seen`, else steps × tokens per step from the config);
-- `tok/s`: mean `throughput/tokens_per_sec` over the last `--last` points;
-- `max attn logit`: the largest last `attn/max_logit/L*` over layers;
+- `tok/s*`, `MFU*`: mean `throughput/tokens_per_sec` and `throughput/mfu` over the last `--last` points — marked:
+  they measure the machine and its load at the time, not the config;
+- `logit peak`: the largest exact attention logit over training, every layer and head (`max_logit_peak`, from
+  `attn/max_logit_exact_worst/L*`; `-` for a run that did not log it);
 - `resid growth`: RMS of the stream entering the final norm (else the last block) over the RMS entering block 0.
-Writes a plot of `train/loss` (and the metric, dashed) against tokens for all runs (`--plot`, PNG).
+`--plot FILE` writes a plot of `train/loss` (solid) and the metric (dashed) against tokens, one colour per run;
+there is no default file, and an existing one is not overwritten.
 
 `--group_by KEY...` (config keys, e.g. `model.placement optim.lr`) instead groups the runs into cells by those
 keys, takes `seed_everything` as the replicate, and prints the sweep report's tables (training/sweep/report.py,
 the same code): per cell the seeds, outcomes and the final metric's mean ± sd and 95% interval; with
 `--baseline CELL` the paired differences, Holm-corrected verdicts against `--margin`; with an LR key among the
-groups (`--lr_key`, default `optim.lr`), each group's best LR and LR sensitivity. How to read them:
-docs/sweep-report.md.
+groups (`--lr_key`, default `optim.lr`), each group's best LR and LR sensitivity; `--reduce` and `--outcome` judge
+a reduction of the metric and the stability outcomes as a sweep spec's `metric` and `outcomes` do
+(training/sweep/outcomes.py). How to read them: docs/sweep-report.md.
 """
 from __future__ import annotations
 
@@ -29,26 +34,29 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import yaml
 
 from training import health_tags
 from training.errors import UserError
 from training.eval import metrics
 from training.plotting import pyplot, save_figure
 from training.run.dir import RunDir
-from training.stats import MODES
+from training.stats import MODES, Reduction, series_peak
 from training.sweep.alive import alive
+from training.sweep.outcomes import parse_outcomes
 from training.sweep.results import TRAIN_LOSS, RunResult, plain_tags, result
 
 log = logging.getLogger(__name__)
 
 IGNORED_KEYS = ("name", "trainer.default_root_dir", "ckpt_path")  # differ between any two runs, by design
 SEED_KEY = "seed_everything"  # the replicate key of `--group_by`
+DATA_SEED_KEY = "data.seed"  # a sweep's default data order follows the seed: a replicate key too
+MACHINE = "* measured on the machine, with its load, at the time: not a property of the config"
 DEFAULT_METRICS = ("val/loss", "train/loss")  # without --metric: the first of these that every run logs
 
 
 def summary(run: RunDir, last: int, metric: str = "val/loss") -> dict[str, Any]:
     s = run.scalars
-    val = [v for _, v in s.get(metric, [])]
     bpb = run.last(metrics.tag("val", "bits_per_byte"))  # the loop's, else `normlab evaluate`'s of the same set
     bpb = bpb if bpb is not None else run.last(metrics.tag("eval/val", "bits_per_byte"))
     steps = max((points[-1][0] for tag, points in s.items() if tag.startswith("train/")), default=0)
@@ -59,20 +67,22 @@ def summary(run: RunDir, last: int, metric: str = "val/loss") -> dict[str, Any]:
     if layers:
         top = run.last(health_tags.FINAL_IN) or run.last(layers[-1][1])
         growth = top / run.last(layers[0][1]) if run.last(layers[0][1]) else None
-    logits = [run.last(tag) for _, tag in health_tags.by_layer(s, health_tags.ATTN_MAX_LOGIT)]
-    tps = [v for _, v in s.get("throughput/tokens_per_sec", [])[-last:]]
+    exact = health_tags.by_layer(s, health_tags.ATTN_MAX_LOGIT_EXACT + health_tags.WORST)
+    peak = series_peak(s[tag] for _, tag in exact)
+    tps, mfu = ([v for _, v in s.get(tag, [])[-last:]] for tag in ("throughput/tokens_per_sec", "throughput/mfu"))
     return {
-        "metric": val[-1] if val else None, "spread": float(np.std(val[-last:])) if val else None,
-        "bpb": bpb, "steps": steps, "tokens": tokens if tokens is not None else steps * run.tokens_per_step(),
-        "tokens_per_sec": float(np.mean(tps)) if tps else None,
-        "max_attn_logit": max(logits) if logits else None, "resid_growth": growth,
+        "metric": run.last(metric), "bpb": bpb, "steps": steps,
+        "tokens": tokens if tokens is not None else steps * run.tokens_per_step(),
+        "tokens_per_sec": float(np.mean(tps)) if tps else None, "mfu": float(np.mean(mfu)) if mfu else None,
+        "max_logit_peak": None if np.isnan(peak) else peak, "resid_growth": growth,
     }
 
 
 def config_differences(runs: list[RunDir]) -> dict[str, list[Any]]:
-    keys = sorted(set().union(*(r.flat_config for r in runs)) - set(IGNORED_KEYS))
-    return {k: [r.flat_config.get(k) for r in runs] for k in keys
-            if len({repr(r.flat_config.get(k)) for r in runs}) > 1}
+    """The settings whose resolved values differ between the runs (`RunDir.resolved_config`: model fields as built)."""
+    flats = [r.resolved_config for r in runs]
+    keys = sorted(set().union(*flats) - set(IGNORED_KEYS))
+    return {k: [f.get(k) for f in flats] for k in keys if len({repr(f.get(k)) for f in flats}) > 1}
 
 
 def _table(header: list[str], rows: list[list[str]]) -> str:
@@ -91,33 +101,43 @@ def summary_table(runs: list[RunDir], summaries: list[dict[str, Any]], last: int
     parts = ["config differences:" if diffs else "config differences: none (apart from the run names)"]
     if diffs:
         parts.append(_table(["setting", *names], [[k, *(str(v) for v in vals)] for k, vals in diffs.items()]))
-    rows = [[name, f"{_fmt(m['metric'])} ± {_fmt(m['spread'])}", _fmt(m["bpb"]), str(m["steps"]),
-             f"{m['tokens']:,.0f}", _fmt(m["tokens_per_sec"], ",.0f"), _fmt(m["max_attn_logit"], ".2f"),
+    rows = [[name, _fmt(m["metric"]), _fmt(m["bpb"]), str(m["steps"]), f"{m['tokens']:,.0f}",
+             _fmt(m["tokens_per_sec"], ",.0f"), _fmt(m["mfu"], ".1%"), _fmt(m["max_logit_peak"], ".2f"),
              _fmt(m["resid_growth"], ".2f")] for name, m in zip(names, summaries, strict=False)]
-    parts += ["", f"final metrics (± = std over the last {last} values of {metric}):",
-              _table(["run", metric, "bpb", "steps", "tokens", "tok/s", "max attn logit", "resid growth"], rows)]
+    parts += ["", f"final metrics (one run each: no spread over seeds — --group_by KEY groups runs into cells, with "
+                  f"mean ± sd over seeds; tok/s and MFU: the mean of the last {last} points):",
+              _table(["run", metric, "bpb", "steps", "tokens", "tok/s*", "MFU*", "logit peak", "resid growth"], rows),
+              MACHINE]
     return "\n".join(parts) + "\n"
 
 
 def plot(runs: list[RunDir], out: Path, metric: str = "val/loss") -> None:
-    fig, ax = pyplot().subplots(figsize=(7, 4.5))
-    for run in runs:
+    """`train/loss` (solid) and `metric` (dashed, with markers: a run may validate once) against tokens, one colour
+    per run."""
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for i, run in enumerate(runs):
         per_step = run.tokens_per_step()
-        for tag, style in (("train/loss", "-"), (metric, "--")):
+        for tag, style in (("train/loss", "-"), *([(metric, "--o")] if metric != "train/loss" else [])):
             points = run.scalars.get(tag, [])
             if points:
                 steps, values = zip(*points, strict=False)
-                ax.plot(np.array(steps) * per_step, values, style, label=f"{run.name} {tag}")
+                ax.plot(np.array(steps) * per_step, values, style, color=colours[i % len(colours)], markersize=3,
+                        label=f"{run.name} {tag}")
     ax.set_xlabel("tokens")
     ax.set_ylabel("loss" if metric.endswith("loss") else f"loss, {metric}")
+    ax.set_title(f"solid: train/loss; dashed: {metric}", fontsize=9)
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
     fig.tight_layout()
     save_figure(fig, out, dpi=120)
 
 
-def group(runs: list[RunDir], keys: list[str], metric: str) -> list[RunResult]:
-    """Each run as a result of the cell named by its values of `keys`, its seed the replicate."""
+def group(runs: list[RunDir], keys: list[str], metric: str, reduce: Reduction | None = None,
+          outcomes: dict[str, dict[str, Any]] | None = None) -> list[RunResult]:
+    """Each run as a result of the cell named by its values of `keys`, its seed the replicate (`reduce`,
+    `outcomes`: as a sweep spec's)."""
     out, seen = [], {}
     for run in runs:
         for key in keys:
@@ -133,7 +153,7 @@ def group(runs: list[RunDir], keys: list[str], metric: str) -> list[RunResult]:
                             "a cell needs one run per seed; group by the key that tells them apart")
         seen[cell, seed] = run.path
         status = run.status(alive, nonfinite=(TRAIN_LOSS, metric))  # the sweep's status, and a non-finite log
-        out.append(result(cell, params, seed, run.path, status, metric, run))
+        out.append(result(cell, params, seed, run.path, status, metric, run, reduce, outcomes))
     return out
 
 
@@ -141,17 +161,41 @@ def grouped(runs: list[RunDir], args: argparse.Namespace) -> str:
     """The sweep report's tables for the runs grouped by `--group_by`."""
     from training.sweep.report import check, tables
 
-    results = group(runs, args.group_by, args.metric)
+    results = group(runs, args.group_by, args.metric, args.reduce, args.outcomes)
     lr_key = args.lr_key if args.lr_key in args.group_by else None
-    sweep = {"metric": args.metric, "mode": args.mode, "baseline": args.baseline, "margin": args.margin,
-             "lr_key": lr_key, "axes": args.group_by}
+    sweep = {"metric": args.metric, "reduce": args.reduce.to_json(), "mode": args.mode, "baseline": args.baseline,
+             "margin": args.margin, "lr_key": lr_key, "axes": args.group_by, "outcomes": args.outcomes}
+    if "lr_reach" in args.outcomes and lr_key is None:
+        raise UserError(f"--outcome lr_reach compares LR groups: --group_by the learning-rate key ({args.lr_key}) too")
     check(results, sweep)
-    loose = [k for k, vals in config_differences(runs).items() if k not in (*args.group_by, SEED_KEY)]
+    replicate = (*args.group_by, SEED_KEY, *([DATA_SEED_KEY] if _follows_seed(runs) else []))
+    loose = [k for k in config_differences(runs) if k not in replicate]
     lines = tables(sweep, results)
     if loose:
         lines += [f"Note: the runs also differ in {', '.join(loose)} (not grouped by): a cell's seeds may differ "
                   "in more than the seed."]
     return "\n".join(lines) + "\n"
+
+
+def _follows_seed(runs: list[RunDir]) -> bool:
+    """Whether every run's data order is its seed (a sweep's default `data_order: seed`): then `data.seed` differs
+    between seeds by design."""
+    return all(r.flat_config.get(DATA_SEED_KEY) == r.flat_config.get(SEED_KEY) for r in runs)
+
+
+def outcome_flags(values: list[list[str]] | None) -> dict[str, dict[str, Any]]:
+    """`--outcome NAME KEY=VALUE ...` (repeated) as a spec's `outcomes` mapping, validated the same way."""
+    raw: dict[str, dict[str, Any]] = {}
+    for name, *settings in values or []:
+        pairs = [item.split("=", 1) for item in settings]
+        if any(len(p) != 2 for p in pairs):
+            raise UserError(f"--outcome {name}: give its settings as KEY=VALUE, e.g. --outcome spikes window=50 "
+                            "threshold=6 margin=1")
+        raw[name] = {k: yaml.safe_load(v) for k, v in pairs}
+    try:
+        return parse_outcomes(raw)
+    except ValueError as err:
+        raise UserError(f"--outcome: {err}") from None
 
 
 def choose_metric(runs: list[RunDir], metric: str | None) -> tuple[str, str | None]:
@@ -181,31 +225,53 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("runs", nargs="+", type=Path, help="run directories (runs/NAME)")
     ap.add_argument("--metric", help="the scalar tag compared (any TensorBoard tag, e.g. eval/...; default: val/loss, "
                     "else train/loss when some run does not log val/loss)")
-    ap.add_argument("--last", type=int, default=3, help="metric / throughput points the spread and mean use")
-    ap.add_argument("--plot", type=Path, default=Path("compare.png"), help="where the loss-vs-tokens plot goes")
+    ap.add_argument("--last", type=int, default=3, help="throughput points the tok/s and MFU means use")
+    ap.add_argument("--plot", type=Path, default=None,
+                    help="write the loss-vs-tokens plot to this PNG (none by default; an existing file is refused)")
     ap.add_argument("--group_by", nargs="+", metavar="KEY", help="config keys that make a cell (seeds replicate)")
     ap.add_argument("--mode", choices=MODES, default="min", help="with --group_by: which way is better")
     ap.add_argument("--baseline", help="with --group_by: the cell the others are compared with (as printed)")
     ap.add_argument("--margin", type=float, help="with --baseline: the equivalence margin (in the metric's units)")
     ap.add_argument("--lr_key", default="optim.lr", help="with --group_by: the learning-rate key, if grouped by")
+    ap.add_argument("--reduce", default="final", help="with --group_by: final | min | max | mean_last:K — one number "
+                    "of the metric per run, as a sweep spec's metric.reduce")
+    ap.add_argument("--outcome", nargs="+", action="append", metavar=("NAME", "KEY=VALUE"),
+                    help="with --group_by: judge a stability outcome too, as a spec's `outcomes` (repeatable): "
+                    "spikes window=W threshold=Z [margin=M] | max_logit_peak [margin=M] | lr_reach delta=D [margin=M]")
     args = ap.parse_args(argv)
     if args.last < 1:
         raise UserError(f"--last {args.last}: must be at least 1")
     if args.margin is not None and not args.margin > 0:
         raise UserError(f"--margin {args.margin}: must be > 0 (the smallest difference that matters)")
-    if (args.baseline or args.margin is not None) and not args.group_by:
-        raise UserError("--baseline and --margin compare cells: give --group_by KEY... too")
+    if (args.baseline or args.margin is not None or args.outcome) and not args.group_by:
+        raise UserError("--baseline, --margin and --outcome compare cells: give --group_by KEY... too")
+    if args.plot is not None and args.plot.exists():
+        raise UserError(f"--plot {args.plot} exists: choose another file, or delete it first")
+    try:
+        args.reduce = Reduction.parse({"mean_last": int(args.reduce.split(":", 1)[1])}
+                                      if args.reduce.startswith("mean_last:") else args.reduce)
+    except ValueError as err:
+        raise UserError(f"--reduce {args.reduce}: {err}") from None
+    args.outcomes = outcome_flags(args.outcome)
     runs = [RunDir(path).require_logged() for path in args.runs]
     args.metric, why = choose_metric(runs, args.metric)
     if args.group_by:
         text = grouped(runs, args)
+    else:
+        text = summary_table(runs, [summary(r, args.last, args.metric) for r in runs], args.last, args.metric)
+    sys.stdout.write(f"{why}\n\n{text}" if why else text)
+    if args.plot is not None:
+        _plot(runs, args)
+        sys.stdout.write(f"\nloss against tokens: {args.plot}\n")
+    return 0
+
+
+def _plot(runs: list[RunDir], args: argparse.Namespace) -> None:
+    if args.group_by:
         from training.sweep import plots
         from training.sweep.analysis import cells_of
 
-        plots.curves(cells_of(group(runs, args.group_by, args.metric)), plots.curve_tags(args.metric), args.plot)
+        plots.curves(cells_of(group(runs, args.group_by, args.metric, args.reduce)), plots.curve_tags(args.metric),
+                     args.plot)
     else:
-        text = summary_table(runs, [summary(r, args.last, args.metric) for r in runs], args.last, args.metric)
         plot(runs, args.plot, args.metric)
-    sys.stdout.write(f"{why}\n\n{text}" if why else text)
-    print(f"\nloss against tokens: {args.plot}")
-    return 0

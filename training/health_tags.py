@@ -49,6 +49,18 @@ LAYER_FAMILIES = (RESID_RMS, RESID_RMS_OUT, *(f"{f}/{s}" for f in (UPDATE_RMS, U
                                     SINK_LOGIT_MASS) for w in ("", WORST)), GATE_MEAN,
                   MAX_OVER_RMS, KURTOSIS, GRAD_NORM, PARAM_NORM)
 
+# stability telemetry (training/callbacks/stability.py): the exact max pre-softmax logit of each layer over the
+# probed batch (mean over heads; `_worst` the largest head), and ‖update‖/‖param‖ of the optimizer step per block
+# and parameter group (attn, mlp, norm); QK-clip's per-step values (no layer)
+ATTN_MAX_LOGIT_EXACT = "attn/max_logit_exact"
+UPDATE_PARAM_RATIO = "optim/update_ratio"
+UPDATE_GROUPS = ("attn", "mlp", "norm")
+QK_CLIP_MAX_LOGIT = "qk_clip/max_logit"  # the largest logit of the step's forward, every layer and head
+QK_CLIP_HEADS = "qk_clip/heads_clipped"  # the heads whose query and key rows the step scaled
+STABILITY_FAMILIES = (ATTN_MAX_LOGIT_EXACT, ATTN_MAX_LOGIT_EXACT + WORST,
+                      *(f"{UPDATE_PARAM_RATIO}/{g}" for g in UPDATE_GROUPS))
+LAYER_FAMILIES = (*LAYER_FAMILIES, *STABILITY_FAMILIES)
+
 
 def layer(family: str, index: int | str, sublayer: str | None = None) -> str:
     """The tag of `family` at block `index` (`sublayer`: attn or mlp, for the families that have one)."""

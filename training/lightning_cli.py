@@ -43,6 +43,7 @@ from training.callbacks import NonFiniteGuard, RNGState, StepCheckpoint, Through
 from training.callbacks.downstream import DownstreamEval
 from training.callbacks.order import arrange
 from training.callbacks.progress import step_counting
+from training.callbacks.qk_clip import QKClip
 from training.callbacks.summary import log_closing_lines, with_norm_summary
 from training.checkpointing import branch, init_from, resume
 from training.checkpointing.plan import RunPlan, plan
@@ -224,6 +225,8 @@ class NormlabCLI(LightningCLI):
         run = [RNGState(), StopOnSignal(cluster_config), self._step_checkpoint(trainer, init),
                CollectiveTimeout(cluster_config.timeout)]
         run += [branch.BranchSchedule(self.plan.parent.step)] if self.plan.parent is not None else []
+        tau = getattr(self.config_init[self.subcommand].get("optim"), "qk_clip", None)
+        run += [QKClip(tau)] if self.subcommand == "fit" and tau is not None else []  # optim.qk_clip
         trainer.callbacks[:] = arrange(trainer.callbacks + run + ([init] if init is not None else []))
         return trainer
 

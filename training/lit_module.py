@@ -30,7 +30,7 @@ from training.distributed import is_deepspeed, is_fsdp2
 from training.errors import UserError
 from training.eval.metrics import LossTotals, batch_loss, mixture, split_batch, tags
 from training.loggers import log_scalars
-from training.optim import OptimConfig, build_optimizer, check_group_names, param_groups
+from training.optim import OptimConfig, build_optimizer, check_group_names, param_groups, qk_clip
 
 
 def model_fields(init: Callable) -> Callable:
@@ -69,6 +69,7 @@ class LitLM(LightningModule):
         from_data = {k: v for k, v in (("vocab_size", data_vocab_size), ("max_seq_len", data_seq_len)) if v is not None}
         # The whole config now, so a bad value or an unknown field fails before anything starts.
         self.config = ModelConfig.preset(preset, **{**from_data, **self.overrides})
+        qk_clip.check(self.optim.qk_clip, self.config)
         # Plain values only, so checkpoints stay loadable with weights_only=True (no pickled dataclasses).
         self.save_hyperparameters(ignore=["optim"])
         self.hparams["optim"] = dataclasses.asdict(self.optim)

@@ -49,9 +49,13 @@ def seed_band(per_seed: Sequence[Sequence[float]]) -> tuple[np.ndarray, np.ndarr
 
 def band(ax: Any, x: Sequence[float], per_seed: Sequence[Sequence[float]], label: str, **kw: Any) -> Any:
     """Plot the mean over seeds with a band from the lowest to the highest seed; the label counts the seeds.
-    Returns the mean's line."""
+    With fewer than three x values (a run validated once or twice) a line and a band would be invisible or
+    mislead: the means are markers and the range over seeds a vertical bar at each. Returns the mean's line."""
     mean, lo, hi = seed_band(per_seed)
-    (line,) = ax.plot(x, mean, label=f"{label} (n={len(per_seed)})", **kw)
-    if len(per_seed) > 1:
+    few = len(mean) < 3
+    (line,) = ax.plot(x, mean, label=f"{label} (n={len(per_seed)})", **({"marker": "o"} if few else {}), **kw)
+    if len(per_seed) > 1 and few:
+        ax.vlines(x, lo, hi, color=line.get_color(), alpha=0.5)
+    elif len(per_seed) > 1:
         ax.fill_between(x, lo, hi, color=line.get_color(), alpha=0.2, linewidth=0)
     return line

@@ -26,12 +26,12 @@ overflowing gradient with a finite loss is routine — the scaler skips the upda
 guard neither aborts nor counts it, and logs `guard/scaler_overflows` instead. (A scale that keeps collapsing
 ends the run in the scaler itself: DeepSpeed stops at its minimum scale.)
 
-Loss spikes: the z-score of the step's loss against the previous `spike_window` finite losses of applied
-steps is logged as `guard/loss_z`. With `skip_spike_z` set (policy `skip`), steps whose z-score exceeds it are
-skipped as above. Under DeepSpeed the verdict is reached before the last micro-batch's backward (the step's
-losses are known by then), and a spiking step's gradient is made NaN through a hook on that loss, so the
-engine's own overflow check drops the update — the same, verified path as a real overflow. (With fp16 dynamic
-loss scaling that also halves the loss scale once, as any overflow does.)
+Loss spikes: the z-score of the step's loss against the previous `spike_window` finite losses of applied steps
+(`training.stats.loss_z`, the rule a sweep counts spikes by) is logged as `guard/loss_z`. With `skip_spike_z` set
+(policy `skip`), steps whose z-score exceeds it are skipped as above. Under DeepSpeed the verdict is reached before
+the last micro-batch's backward (the step's losses are known by then), and a spiking step's gradient is made NaN
+through a hook on that loss, so the engine's own overflow check drops the update — the same, verified path as a
+real overflow. (With fp16 dynamic loss scaling that also halves the loss scale once, as any overflow does.)
 
 Spike forensics: with `dump_spike_z` set, a step whose z-score exceeds it (with any policy) has its batch,
 per-layer gradient norms and Adam update norms written to `<run dir>/spikes/step-XXXXXXXX/`, at most `max_dumps`
@@ -49,10 +49,11 @@ import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 
 from model.names import layer_index
-from training.callbacks.spikes import SpikeRecorder, mean_and_std
+from training.callbacks.spikes import SpikeRecorder
 from training.compat import zero_optimizer_internal
 from training.distributed import full_grad, is_deepspeed, local
 from training.loggers import log_scalars
+from training.stats import loss_z
 
 log = logging.getLogger(__name__)
 
@@ -266,10 +267,8 @@ class NonFiniteGuard(Callback):
                                  f"(guard.max_consecutive_skips={self.max_consecutive_skips}); training stopped")
 
     def _zscore(self, loss: float) -> float:
-        if len(self._losses) < 2:
-            return 0.0
-        mean, std = mean_and_std(list(self._losses))
-        return (loss - mean) / std if std > 0 else 0.0
+        # the one definition: a sweep's spike count (training.stats.count_spikes) replays it over logged losses
+        return loss_z(self._losses, loss)
 
     @staticmethod
     def _log(trainer: Trainer, values: dict[str, float], step: int) -> None:

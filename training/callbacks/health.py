@@ -10,6 +10,10 @@ rank in the same order: it is a collective). On other steps nothing is attached 
 The values are rank 0's (its micro-batch; gradients are already reduced over ranks) and go straight to the
 TensorBoard writer, with a custom-scalar layout that puts all layers of a metric in one chart.
 
+The same steps log stability telemetry (training/callbacks/stability.py, its own dashboard): each layer's exact
+max attention logit over the probed micro-batch, and ‖update‖/‖param‖ of the step's optimizer update per block for
+the attention, MLP and norm-gain parameters (read after the optimizer step, on_train_batch_end).
+
 The same steps log outlier and sink telemetry (`outlier/*`, `attn/sink_mass*`: from the probes; `norm/gain_*`:
 the norm gains, gathered under ZeRO like the parameter norms) and, to TensorBoard's Images tab, a depth-profile
 figure (`profile/depth`, training/callbacks/depth_profile.py) of this step beside step 0. Step 0's profile is
@@ -29,6 +33,7 @@ from model.names import split_layer
 from model.probes import gain_stats, gain_tags, grad_norms, record
 from training import health_tags as T
 from training.callbacks import depth_profile
+from training.callbacks.stability import StabilityProbe
 from training.distributed import full_grad, full_param, is_deepspeed
 from training.health_tags import layer_pattern
 from training.loggers import log_scalars, tensorboard
@@ -68,6 +73,14 @@ LAYOUT = {
         "norm gains: mean |γ|": rf"{T.GAIN_MEAN}/.+",
         "norm gains: max |γ|": rf"{T.GAIN_MAX}/.+",
     },
+    "Stability": {  # callbacks/stability.py; QK-clip's per-step values when optim.qk_clip is set
+        "exact max logit per layer, largest head": layer_pattern(T.ATTN_MAX_LOGIT_EXACT + T.WORST),
+        "exact max logit per layer, mean over heads": layer_pattern(T.ATTN_MAX_LOGIT_EXACT),
+        "attention ‖update‖/‖param‖ per block": layer_pattern(f"{T.UPDATE_PARAM_RATIO}/attn"),
+        "MLP ‖update‖/‖param‖ per block": layer_pattern(f"{T.UPDATE_PARAM_RATIO}/mlp"),
+        "norm gains ‖update‖/‖param‖ per block": layer_pattern(f"{T.UPDATE_PARAM_RATIO}/norm"),
+        "QK-clip: largest logit and heads clipped, every step": rf"{T.QK_CLIP_MAX_LOGIT}|{T.QK_CLIP_HEADS}",
+    },
 }
 # Charts whose tags only some models write, with the model fields that make them: others leave them out (an empty
 # panel says nothing).
@@ -92,6 +105,8 @@ class TrainingHealth(Callback):
         self._probe = None  # the active `record(...)` context on a metrics step
         self._values: dict[str, float] = {}
         self._profile0: dict[str, float] | None = None  # step 0's depth profile (kept in the checkpoint)
+        self._stability = StabilityProbe()  # exact max logits and update ratios (callbacks/stability.py)
+        self._update_step: int | None = None  # the metrics step whose update ratios on_train_batch_end logs
 
     def state_dict(self) -> dict[str, Any]:
         return {"profile0": dict(self._profile0)} if self._profile0 is not None else {}
@@ -116,12 +131,16 @@ class TrainingHealth(Callback):
             self._probe = record(pl_module.model, attn_rows=self.attn_rows, saturation_threshold=self.threshold)
             self._values = {}
             self._recorder = self._probe.__enter__()
+            self._stability.start(pl_module.model)
 
     def on_before_backward(self, trainer: Trainer, pl_module: LightningModule, loss: torch.Tensor) -> None:
         if self._probe is not None:  # the forward is done: detach before backward (and before any recompute)
             self._probe.__exit__(None, None, None)
             self._probe = None
+            exact = self._stability.logits()
             self._values.update(self._recorder.scalars())
+            if exact:
+                self._values.update(dict(zip(exact, torch.stack(list(exact.values())).tolist(), strict=True)))
 
     def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Any) -> None:
         step = trainer.global_step
@@ -134,6 +153,8 @@ class TrainingHealth(Callback):
             return
         self._values.update(grad_norms(model, partial(full_grad, deepspeed=deepspeed)))
         self._values.update(self._param_stats(model, deepspeed))
+        self._stability.before_step(model, deepspeed)
+        self._update_step = step
         log_scalars(trainer, self._values, step)
         if step == 0:
             self._profile0 = depth_profile.profile_values(self._values)
@@ -141,6 +162,12 @@ class TrainingHealth(Callback):
         if self._due(step, self.histogram_every_n_steps):
             self._histograms(trainer, model, deepspeed, step)
         self._values = {}
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
+        """After a metrics step's optimizer step: its ‖update‖/‖param‖ per block and group."""
+        if self._update_step is not None:
+            step, self._update_step = self._update_step, None
+            log_scalars(trainer, self._stability.after_step(pl_module.model, is_deepspeed(trainer.strategy)), step)
 
     def _param_stats(self, model: torch.nn.Module, deepspeed: bool) -> dict[str, float]:
         """Per-block parameter norms, QK-norm gain statistics and every norm's `norm/gain_*` (gathered under ZeRO)."""

@@ -16,6 +16,7 @@ from lightning.pytorch.cli import SaveConfigCallback
 from training.callbacks.downstream import DownstreamEval
 from training.callbacks.guard import NonFiniteGuard
 from training.callbacks.health import TrainingHealth
+from training.callbacks.qk_clip import QKClip
 from training.callbacks.rng import RNGState
 from training.callbacks.step_checkpoint import StepCheckpoint
 from training.callbacks.throughput import Throughput
@@ -32,6 +33,8 @@ ORDER: tuple[tuple[type[Callback] | None, str], ...] = (
                      "sees the optimizer"),
     (REST, "the callbacks configured in trainer.callbacks come before the run's own: one that changes the loss or "
            "the gradients (a fault injector, an extra loss term) acts before the guard judges them"),
+    (QKClip, "on_train_batch_end before the health callback's and the checkpoint's: MuonClip's step is the "
+             "optimizer's update and then the clip, so the step's update ratio and its checkpoint include the clip"),
     (TrainingHealth, "on_before_optimizer_step before the guard's: the step's gradient norms are logged before the "
                      "guard drops the gradients of a step it skips, or stops the run"),
     (NonFiniteGuard, "on_train_batch_end before the checkpoint's: the step's verdict is settled (an applied update "

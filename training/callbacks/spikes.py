@@ -50,18 +50,11 @@ from model.probes import grad_norms
 from training import health_tags as T
 from training.distributed import full_grad, full_param, gather_objects, is_deepspeed
 from training.run.layout import SPIKES_DIR, TMP_PREFIX, step_dirname, step_of_name
+from training.stats import mean_and_sd
 
 log = logging.getLogger(__name__)
 
 BATCH_FILE, SPIKE_FILE = "batch.safetensors", "spike.json"
-
-
-def mean_and_std(values: list[float]) -> tuple[float, float]:
-    """Mean and sample standard deviation of `values` (0 where there are too few): the guard's loss window, whose
-    z-score the dumps record."""
-    mean = sum(values) / len(values) if values else 0.0
-    std = math.sqrt(sum((x - mean) ** 2 for x in values) / (len(values) - 1)) if len(values) > 1 else 0.0
-    return mean, std
 
 
 def group_of(name: str) -> str:
@@ -137,7 +130,7 @@ class SpikeRecorder:
                   for key in self._batches[0]}
         losses = gather_objects(torch.stack(self._losses).cpu() if self._losses else torch.zeros(0))
         accumulate = trainer.accumulate_grad_batches
-        mean, std = mean_and_std(window)
+        mean, std = mean_and_sd(window)
         self._pending = {
             "before": _full_weights(pl_module, deepspeed), "arrays": arrays, "losses": torch.stack(losses),
             "record": {

@@ -92,7 +92,11 @@ class OptimConfig:
 
     `wsd` (warmup–stable–decay; Hu et al. 2024, Hägele et al. 2024) holds `lr` after the warm-up and decays
     only over the last `decay_fraction` of the run's steps, in `decay_shape`: linear, cosine or 1-sqrt
-    (lr·(1 − (1 − min_lr/lr)·√progress), Hägele et al.'s best cooldown)."""
+    (lr·(1 − (1 − min_lr/lr)·√progress), Hägele et al.'s best cooldown).
+
+    `qk_clip`: MuonClip's τ (Kimi K2): after every optimizer step, each attention head whose largest pre-softmax
+    logit in the step's forward exceeded τ has its query and key rows scaled back to τ (qk_clip.py; with any
+    optimizer)."""
 
     lr: float = 1e-3
     min_lr: float = 1e-4
@@ -109,6 +113,7 @@ class OptimConfig:
     groups: dict[str, dict[str, Any]] = field(default_factory=dict)  # name → {kind, pattern, lr_mult, weight_decay}
     name: str = "adamw"  # adamw | muon (registry.py)
     options: dict[str, Any] = field(default_factory=dict)  # the chosen optimizer's own settings
+    qk_clip: float | None = None  # τ: after each step, heads whose max logit exceeded τ are scaled back (qk_clip.py)
 
     def __post_init__(self) -> None:
         if self.schedule not in SCHEDULES:
@@ -118,6 +123,9 @@ class OptimConfig:
         if not 0 < self.decay_fraction <= 1:
             raise ValueError(f"optim.decay_fraction={self.decay_fraction} must be in (0, 1] "
                              "(0.2: the last 20% of steps)")
+        if self.qk_clip is not None and not self.qk_clip > 0:
+            raise ValueError(f"optim.qk_clip={self.qk_clip} must be a logit threshold τ > 0 (Kimi K2 used 100), or "
+                             "null for none")
         if not self.z_loss >= 0:
             raise ValueError(f"optim.z_loss={self.z_loss} must be >= 0 (0 turns it off; PaLM uses 1e-4)")
         self.optimizer()  # a name or option that is not valid: one error line

@@ -171,6 +171,26 @@ class RunDir:
     def flat_config(self) -> dict[str, Any]:
         return flatten(self.config)
 
+    @cached_property
+    def resolved_config(self) -> dict[str, Any]:
+        """`flat_config` with `model.<field>` as the model was built: the newest checkpoint's `model_config.json`,
+        else the preset's values under the config's own (a field left None is the preset's: `pre`, not None)."""
+        from model import ModelConfig
+
+        flat = dict(self.flat_config)
+        try:
+            fields = model_config(self.newest) if self.newest is not None else None
+        except RunDirError:
+            fields = None
+        if fields is None:
+            given = {k[6:]: v for k, v in flat.items()
+                     if k.startswith("model.") and k[6:] in ModelConfig.__dataclass_fields__ and v is not None}
+            try:
+                fields = ModelConfig.preset(flat.get("model.preset") or "llama", **given).to_dict()
+            except (ValueError, TypeError):  # a config this model cannot build: show it as written
+                return flat
+        return {**flat, **{f"model.{k}": v for k, v in fields.items()}}
+
     def checkpoints(self) -> list[Path]:
         """The complete checkpoint directories, oldest first."""
         return complete_checkpoints(self.path)

@@ -31,9 +31,19 @@ the seeds where both trained is shown beside it. A run's outcome (trains / stall
 `training_outcome` of its losses. The learning-rate statistics (`initial_loss_cap`, `lr_sensitivity`,
 `best_index`, `crossfit_best`, `best_lr_bootstrap`) are defined here once for the study and the sweeps.
 
+Run-level outcomes beside the final metric (outcomes.py: a metric's reduction over its logged values, loss
+spikes by the guard's z-score rule, a series' peak, the exact test of paired counts) and the learning-rate reach
+(reach.py: how wide the range of LRs is whose seed-mean metric lies within δ of its best, compared paired over
+seeds) are defined here once too, for the sweep's report, `normlab compare` and the study.
+
+A verdict is decisive only where both of its tests could decide: with n seeds the exact sign-flip test's smallest
+p is 2/2ⁿ, so below `seeds_for_exact(α/k)` seeds (6 at α = 0.05) it can never reject, and a BETTER/WORSE
+would rest on the t-test's normal tails alone (`Judgement.exact_can_decide`; the report then gives no verdict).
+
 By topic: estimates.py (`Estimate` and the intervals), power.py (power, the minimum detectable effect, the seeds
-a question needs), verdicts.py (the tests, the four outcomes, Holm and Benjamini–Hochberg) and lr.py (a run's
-outcome and the learning-rate statistics); every name is importable from `training.stats`.
+a question needs), verdicts.py (the tests, the four outcomes, Holm and Benjamini–Hochberg), lr.py (a run's
+outcome and the learning-rate statistics), outcomes.py and reach.py; every name is importable from
+`training.stats`.
 """
 
 from __future__ import annotations
@@ -59,7 +69,17 @@ from training.stats.lr import (
     lr_sensitivity,
     training_outcome,
 )
+from training.stats.outcomes import (
+    REDUCTIONS,
+    Reduction,
+    count_spikes,
+    judge_counts,
+    loss_z,
+    mean_and_sd,
+    series_peak,
+)
 from training.stats.power import min_detectable, power_at, seeds_needed
+from training.stats.reach import Reach, ReachComparison, compare_reach, judge_reach, lr_reach, reach_interval
 from training.stats.verdicts import (
     BETTER,
     COMPARISONS,
@@ -74,17 +94,24 @@ from training.stats.verdicts import (
     Judgement,
     benjamini_hochberg,
     comparison_verdict,
+    exact_can_reject,
     holm,
     judge,
     judge_family,
     p_values,
+    perm_equivalent,
+    seeds_for_exact,
     sign_flip_p,
+    signed_rank_sum,
     with_divergences,
 )
 
-__all__ = ["ALPHA", "BETTER", "COMPARISONS", "EQUIVALENT", "EXACT_FLIPS", "Estimate", "FAIL", "INCONCLUSIVE",
-           "Judgement", "MODES", "PASS", "P_KEYS", "SAMPLED_FLIPS", "STALL_NATS", "WORSE",
-           "benjamini_hochberg", "best_index", "best_lr_bootstrap", "capped_loss", "comparison_verdict",
-           "crossfit_best", "difference", "estimate", "holm", "initial_loss_cap", "judge", "judge_family",
-           "lr_sensitivity", "min_detectable", "no_estimate", "p_values", "paired_difference", "power_at",
-           "seeds_needed", "sign_flip_p", "slope", "t_quantile", "training_outcome", "with_divergences"]
+__all__ = ["ALPHA", "BETTER", "COMPARISONS", "EQUIVALENT", "EXACT_FLIPS", "FAIL", "INCONCLUSIVE", "MODES", "PASS",
+           "P_KEYS", "REDUCTIONS", "SAMPLED_FLIPS", "STALL_NATS", "WORSE", "Estimate", "Judgement", "Reach",
+           "ReachComparison", "Reduction", "benjamini_hochberg", "best_index", "best_lr_bootstrap", "capped_loss",
+           "compare_reach", "comparison_verdict", "count_spikes", "crossfit_best", "difference", "estimate",
+           "exact_can_reject", "holm", "initial_loss_cap", "judge", "judge_counts", "judge_family", "judge_reach",
+           "loss_z", "lr_reach", "lr_sensitivity", "mean_and_sd", "min_detectable", "no_estimate", "p_values",
+           "paired_difference", "perm_equivalent", "power_at", "reach_interval", "seeds_for_exact", "seeds_needed",
+           "series_peak", "sign_flip_p", "signed_rank_sum", "slope", "t_quantile", "training_outcome",
+           "with_divergences"]

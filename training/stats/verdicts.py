@@ -4,7 +4,7 @@ the four outcomes BETTER / WORSE / EQUIVALENT / INCONCLUSIVE, Holm's correction 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -19,6 +19,17 @@ PASS, FAIL = "PASS", "FAIL"  # a study claim's verdict names (training/study/jud
 P_KEYS = ("difference", "equivalence", "difference_perm", "equivalence_perm")  # a comparison's p-values
 EXACT_FLIPS = 20  # up to this many seeds every sign pattern is enumerated; beyond, a fixed sample of them
 SAMPLED_FLIPS = 1 << 16
+
+
+def exact_can_reject(n: int, level: float) -> bool:
+    """Whether an exact sign-flip test of n paired seeds can give p < `level`: its smallest two-sided p is 2/2ⁿ
+    (every seed pointing one way), so at α = 0.05 it takes 6 seeds, and 7 for a family of two (α/2)."""
+    return n >= 1 and 2.0 / 2.0 ** n < level
+
+
+def seeds_for_exact(level: float) -> int:
+    """The fewest seeds with which the exact sign-flip test can reject at `level` (`exact_can_reject`)."""
+    return next(n for n in range(1, 64) if exact_can_reject(n, level))
 
 
 def holm(p_values: Sequence[float]) -> list[float]:
@@ -89,7 +100,7 @@ def sign_flip_p(values: Sequence[float], alternative: str = "two-sided", ranks: 
     raise ValueError(f"alternative={alternative!r} must be 'two-sided', 'greater' or 'less'")
 
 
-def _perm_equivalent(xs: Sequence[float], margin: float) -> float:
+def perm_equivalent(xs: Sequence[float], margin: float) -> float:
     """The sign-flip twin of `Estimate.p_equivalent`: twice the larger of the one-sided tests of d + m > 0 and
     d − m < 0."""
     return min(1.0, 2 * max(sign_flip_p([x + margin for x in xs], "greater"),
@@ -108,6 +119,13 @@ def with_divergences(d: Estimate, discordant: tuple[int, int]) -> list[float]:
     return [*d.samples, *[math.inf] * discordant[0], *[-math.inf] * discordant[1]]
 
 
+def signed_rank_sum(values: Sequence[float]) -> float:
+    """Wilcoxon's signed-rank sum of per-seed differences (zeros dropped; ±inf rank beyond every number): the
+    direction of a comparison decided on ranks."""
+    ranked = [v for v in values if v != 0]
+    return float(np.sum(np.sign(ranked) * _scipy.rankdata(np.abs(ranked)))) if ranked else 0.0
+
+
 def p_values(d: Estimate, margin: float | None, discordant: tuple[int, int] = (0, 0),
              equivalence_claim: bool = False) -> tuple[dict[str, float], float]:
     """The raw p-values of one comparison (`P_KEYS`) and the sign of its effect.
@@ -119,8 +137,7 @@ def p_values(d: Estimate, margin: float | None, discordant: tuple[int, int] = (0
     nan = math.nan
     if sum(discordant):
         values = with_divergences(d, discordant)
-        ranked = [v for v in values if v != 0]
-        direction = float(np.sum(np.sign(ranked) * _scipy.rankdata(np.abs(ranked)))) if ranked else 0.0
+        direction = signed_rank_sum(values)
         p = sign_flip_p(values, ranks=True)
         return {"difference": p, "equivalence": nan, "difference_perm": p, "equivalence_perm": nan}, direction
     xs, m = d.samples, margin
@@ -128,7 +145,7 @@ def p_values(d: Estimate, margin: float | None, discordant: tuple[int, int] = (0
     p = {"difference": d.p_exceeds(m) if equivalence_claim and m else d.p_value(),
          "equivalence": d.p_equivalent(m) if m else nan,
          "difference_perm": (_perm_exceeds(xs, m) if equivalence_claim and m else sign_flip_p(xs)) if perm else nan,
-         "equivalence_perm": _perm_equivalent(xs, m) if m and perm else nan}
+         "equivalence_perm": perm_equivalent(xs, m) if m and perm else nan}
     return p, d.mean
 
 
@@ -161,6 +178,18 @@ class Judgement:
     level: float = ALPHA
     power: float = math.nan  # at a true effect of one margin (equivalence claim: at a true difference of 0)
     mde: float = math.nan  # the smallest effect detected with 80% power at `level`
+    exact_only: bool = False  # judged by the exact test alone (a count): `verdict` is `verdict_perm`
+
+    @property
+    def seeds(self) -> int:
+        """The seeds the exact test sees: those with a difference, and those where one arm alone diverged."""
+        return self.difference.n + sum(self.discordant)
+
+    @property
+    def exact_can_decide(self) -> bool:
+        """Whether the exact sign-flip test can reject at all with these seeds, at the level its family's smallest
+        p must beat (`exact_can_reject`). When it cannot, a verdict would rest on the t-test's normal tails alone."""
+        return exact_can_reject(self.seeds, self.level)
 
     @property
     def disagree(self) -> bool:
@@ -188,19 +217,37 @@ def judge_family(differences: Mapping[str, Estimate], margin: float | None | Map
             raise ValueError(f"margin={m!r} must be > 0 (the smallest difference that matters)")
     counts = {n: (discordant or {}).get(n, (0, 0)) for n in names}
     raw = {n: p_values(differences[n], margins[n], counts[n], same[n]) for n in names}
-    adjusted = {n: {} for n in names}
+
+    def planning(n: str, level: float) -> tuple[float, float]:
+        d = differences[n]
+        return (power_at(d, margins[n], level, same[n]) if margins[n] else math.nan), min_detectable(d, level)
+
+    return assemble(differences, margins, raw, better, alpha, counts, planning)
+
+
+def assemble(estimates: Mapping[str, Estimate], margins: Mapping[str, float | None],
+             raw: Mapping[str, tuple[dict[str, float], float]], better: str, alpha: float = ALPHA,
+             discordant: Mapping[str, tuple[int, int]] | None = None,
+             planning: Callable[[str, float], tuple[float, float]] | None = None,
+             exact_only: bool = False) -> dict[str, Judgement]:
+    """The family's Judgements from each comparison's raw p-values (`P_KEYS`) and direction: every key
+    Holm-adjusted across the family, the verdicts of the t-tests and of their sign-flip twins (`exact_only`: the
+    exact test's verdict is the verdict), and `planning(name, level)` → (power, MDE) at level α/k."""
+    names = list(estimates)
+    adjusted: dict[str, dict[str, float]] = {n: {} for n in names}
     for key in P_KEYS:
         for name, q in zip(names, holm([raw[n][0][key] for n in names]), strict=True):
             adjusted[name][key] = q
     level = alpha / max(1, sum(not math.isnan(raw[n][0]["difference"]) for n in names))
     out = {}
     for n in names:
-        d, (p, direction), q = differences[n], raw[n], adjusted[n]
-        power = power_at(d, margins[n], level, same[n]) if margins[n] else math.nan
-        out[n] = Judgement(d, margins[n], p, q, comparison_verdict(direction, q["difference"], q["equivalence"], better,
-                                                               alpha),
-                           comparison_verdict(direction, q["difference_perm"], q["equivalence_perm"], better, alpha),
-                           direction, counts[n], level, power, min_detectable(d, level))
+        (p, direction), q = raw[n], adjusted[n]
+        perm = comparison_verdict(direction, q["difference_perm"], q["equivalence_perm"], better, alpha)
+        verdict = perm if exact_only else comparison_verdict(direction, q["difference"], q["equivalence"], better,
+                                                             alpha)
+        power, mde = planning(n, level) if planning is not None else (math.nan, math.nan)
+        out[n] = Judgement(estimates[n], margins[n], p, q, verdict, perm, direction,
+                           (discordant or {}).get(n, (0, 0)), level, power, mde, exact_only)
     return out
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,6 +26,7 @@ from training.stats import (
     crossfit_best,
     estimate,
     initial_loss_cap,
+    judge_counts,
     judge_family,
     lr_sensitivity,
     no_estimate,
@@ -90,14 +91,29 @@ class Comparison:
     diverged: tuple[int, int] = (0, 0)  # seeds that diverged in this cell only, in the baseline only
 
 
+def outcome_value(name: str | None) -> Callable[[RunResult], float]:
+    """What a run contributes to a comparison: its final metric (`name` None), else its stability outcome `name`
+    (NaN when it has none: left out, as a run without a final metric is)."""
+    return (lambda r: r.final) if name is None else (lambda r: r.values.get(name, math.nan))
+
+
 def compare_to_baseline(cells: Sequence[Cell], baseline: str, margin: float | None, mode: str,
-                        alpha: float = ALPHA, family: Sequence[str] | None = None) -> list[Comparison]:
+                        alpha: float = ALPHA, family: Sequence[str] | None = None,
+                        outcome: str | None = None) -> list[Comparison]:
     """The cells of `family` (default: every other cell) against `baseline`: the paired difference (cell −
-    baseline) of the final metric over the seeds where both have a number, the seeds that diverged in one arm
-    only (they enter the test as the worst value), and the verdicts, Holm-adjusted across exactly these cells."""
+    baseline) of the final metric (or of the stability `outcome`) over the seeds where both have a number, the
+    seeds that diverged in one arm only (they enter the test as the worst value), and the verdicts,
+    Holm-adjusted across exactly these cells. The spike count is judged by the exact test alone
+    (`training.stats.judge_counts`)."""
+    value = outcome_value(outcome)
+
+    def has_number(r: RunResult) -> bool:
+        return r.outcome in ("trains", "stalled") and math.isfinite(value(r))
+
     base = next(c for c in cells if c.name == baseline).by_seed()
     names = [c.name for c in cells if c.name != baseline] if family is None else list(family)
     diffs: dict[str, Estimate] = {}
+    pairs: dict[str, tuple[list[float], list[float]]] = {}
     discordant: dict[str, tuple[int, int]] = {}
     counts: dict[str, tuple[int, int]] = {}
     seeds: dict[str, tuple[tuple, tuple]] = {}
@@ -106,15 +122,18 @@ def compare_to_baseline(cells: Sequence[Cell], baseline: str, margin: float | No
             continue
         mine = cell.by_seed()
         shared = tuple(s for s in mine if s in base)
-        paired = tuple(s for s in shared if mine[s].has_number and base[s].has_number)
-        diffs[cell.name] = (paired_difference([mine[s].final for s in paired], [base[s].final for s in paired])
-                            if paired else no_estimate())
+        paired = tuple(s for s in shared if has_number(mine[s]) and has_number(base[s]))
+        pairs[cell.name] = ([value(mine[s]) for s in paired], [value(base[s]) for s in paired])
+        diffs[cell.name] = paired_difference(*pairs[cell.name]) if paired else no_estimate()
         diverged = [(mine[s].outcome == "diverged", base[s].outcome == "diverged") for s in shared]
         counts[cell.name] = here, there = sum(a and not b for a, b in diverged), sum(b and not a for a, b in diverged)
         # in the metric's orientation a diverged run is the worse value: the larger one for a loss
         discordant[cell.name] = (here, there) if mode == "min" else (there, here)
         seeds[cell.name] = (shared, paired)
-    judged = judge_family(diffs, margin, "lower" if mode == "min" else "higher", alpha, discordant)
+    if outcome == "spikes":
+        judged = judge_counts(pairs, margin, discordant, alpha)
+    else:
+        judged = judge_family(diffs, margin, "lower" if mode == "min" else "higher", alpha, discordant)
     return [Comparison(name, *seeds[name], judged[name], diverged=counts[name]) for name in diffs]
 
 

@@ -2,9 +2,9 @@
 
     normlab sweep SPEC.yaml                    train what is not finished, locally (--max_parallel N at once)
     normlab sweep SPEC.yaml --executor slurm   submit it as one Slurm job array (--wait to follow it)
-    normlab sweep SPEC.yaml --dry_run          list every run and its exact fit command
+    normlab sweep SPEC.yaml --dry_run          list every run and its exact fit command; the time they would take
     normlab sweep SPEC.yaml --status           each run's state, step, time and metric; the ETA
-    normlab sweep SPEC.yaml --report           the statistics report (training/sweep/report.py)
+    normlab sweep SPEC.yaml --report           the statistics report (training/sweep/report.py); prints its verdicts
     normlab sweep SPEC.yaml --plan --pilot DIR the seeds the spec's question needs, from a pilot's spread
 """
 from __future__ import annotations
@@ -31,7 +31,8 @@ def parser() -> argparse.ArgumentParser:
     what.add_argument("--dry_run", action="store_true", help="list the runs and their fit commands; start nothing")
     what.add_argument("--status", action="store_true",
                       help="show each run's state, step, time and metric, and the sweep's ETA")
-    what.add_argument("--report", action="store_true", help="write the statistics report of the sweep")
+    what.add_argument("--report", action="store_true",
+                      help="write the statistics report of the sweep and print its verdict tables")
     what.add_argument("--plan", action="store_true",
                       help="before the runs: power, MDE and the seeds the spec's question needs (from a pilot)")
     p.add_argument("--executor", choices=tuple(EXECUTORS), default="local",
@@ -59,7 +60,7 @@ def write_report(sweep_dir: Path, out: Path | None) -> int:
 
     check_one_config_per_cell(sweep_dir, report.load_sweep(sweep_dir)["runs"])
     path = report.write_report(sweep_dir, out)
-    sys.stdout.write(f"report: {path}\n")
+    sys.stdout.write(report.verdicts(path.read_text()) + f"\nreport: {path}\n")
     return 0
 
 
@@ -77,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
                         f"{', '.join(EXECUTORS)}")
     runs = spec.runs()
     if args.dry_run:
-        sys.stdout.write(dry_run(spec, runs))
+        sys.stdout.write(dry_run(spec, runs, args.max_parallel, args.executor))
         return 0
     if args.status:
         sys.stdout.write(status_table(spec, runs))

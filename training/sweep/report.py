@@ -15,13 +15,16 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from data.atomic import write_text_atomic
 from training.errors import UserError
 from training.run.dir import RunDir
 from training.run.layout import SWEEP_STATE_FILE
-from training.stats import MODES
+from training.stats import MODES, Reduction
 from training.sweep import plots
 from training.sweep.analysis import cells_of, lr_groups
+from training.sweep.outcomes import parse_outcomes
 from training.sweep.results import RunResult, plain_tags, result
 from training.sweep.spec import QUESTIONS
 from training.sweep.tables import tables, where
@@ -29,17 +32,55 @@ from training.sweep.tables import tables, where
 REPORT_DIR = "report"
 
 
-def csv_text(results: Sequence[RunResult], axes: Sequence[str], root: Path | None = None) -> str:
+def _number(x: float) -> str:
+    return "" if math.isnan(x) else repr(x)
+
+
+def csv_text(results: Sequence[RunResult], axes: Sequence[str], root: Path | None = None,
+             outcomes: Sequence[str] = ()) -> str:
+    """runs.csv: one row per run; `outcomes`: the per-run stability outcomes' columns (spikes, max_logit_peak)."""
     buf = io.StringIO()
     writer = csv.writer(buf, lineterminator="\n")
+    columns = [o for o in outcomes if o in ("spikes", "max_logit_peak")]
     writer.writerow(["cell", *axes, "seed", "status", "outcome", "final", "final_step", "steps", "tokens",
-                     "initial_loss", "initial_step", "run_dir"])
+                     "initial_loss", "initial_step", *columns, "run_dir"])
     for r in results:
         writer.writerow([r.cell, *(r.params.get(a) for a in axes), r.seed, r.status, r.outcome or "",
-                         "" if math.isnan(r.final) else repr(r.final), r.final_step if r.final_step is not None
-                         else "", r.steps, int(r.tokens), "" if math.isnan(r.initial_loss) else repr(r.initial_loss),
-                         "" if r.initial_step is None else r.initial_step, where(r, root)])
+                         _number(r.final), r.final_step if r.final_step is not None
+                         else "", r.steps, int(r.tokens), _number(r.initial_loss),
+                         "" if r.initial_step is None else r.initial_step,
+                         *(_number(r.values.get(c, math.nan)) for c in columns), where(r, root)])
     return buf.getvalue()
+
+
+def _value(text: str) -> Any:
+    """An axis value as runs.csv wrote it (str of the value; "" for null)."""
+    if text == "":
+        return None
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return yaml.safe_load(text)
+
+
+def csv_results(text: str, axes: Sequence[str]) -> list[RunResult]:
+    """The runs of a runs.csv (`csv_text`'s columns) as results the report's tables take: every number but the
+    curves — so a report's tables can be rebuilt, or runs.csv files of two sweeps joined, without the runs."""
+    def number(row: dict[str, str], key: str) -> float:
+        return float(row[key]) if row.get(key) not in (None, "") else math.nan
+
+    out = []
+    for row in csv.DictReader(io.StringIO(text)):
+        params = {a: _value(row[a]) for a in axes}
+        seed = int(row["seed"]) if row["seed"].lstrip("-").isdigit() else row["seed"]
+        values = {k: number(row, k) for k in ("spikes", "max_logit_peak") if k in row}
+        out.append(RunResult(row["cell"], params, seed, Path(row["run_dir"]), row["status"], row["outcome"] or None,
+                             number(row, "final"), int(row["final_step"]) if row["final_step"] else None,
+                             int(row["steps"] or 0), float(row["tokens"] or 0), number(row, "initial_loss"),
+                             int(row["initial_step"]) if row["initial_step"] else None, values=values))
+    return out
 
 
 def load_sweep(sweep_dir: Path) -> dict[str, Any]:
@@ -64,7 +105,16 @@ def load_sweep(sweep_dir: Path) -> dict[str, Any]:
     if sweep.get("question", "cells") not in QUESTIONS:
         raise UserError(f"'{path}': question {sweep['question']!r} must be one of {list(QUESTIONS)} (set "
                         "`question:` in the spec)")
+    try:
+        judging_rules(sweep)
+    except ValueError as err:
+        raise UserError(f"'{path}': {err} (set it in the spec)") from err
     return sweep
+
+
+def judging_rules(sweep: dict[str, Any]) -> tuple[Reduction, dict[str, dict[str, Any]]]:
+    """The metric's reduction and the outcomes' rules a sweep.json (or compare's flags) records."""
+    return Reduction.parse(sweep.get("reduce", "final")), parse_outcomes(sweep.get("outcomes"))
 
 
 def read_results(sweep_dir: Path, sweep: dict[str, Any]) -> list[RunResult]:
@@ -76,7 +126,7 @@ def read_results(sweep_dir: Path, sweep: dict[str, Any]) -> list[RunResult]:
         except (KeyError, TypeError) as err:
             raise UserError(f"'{sweep_dir / SWEEP_STATE_FILE}': run #{i} lacks {err}: run `normlab sweep SPEC.yaml` "
                             "again to rewrite it") from err
-        out.append(result(cell, params, seed, sweep_dir / rel, status, sweep["metric"]))
+        out.append(result(cell, params, seed, sweep_dir / rel, status, sweep["metric"], None, *judging_rules(sweep)))
     return out
 
 
@@ -133,7 +183,18 @@ def write_report(sweep_dir: Path, out_dir: Path | None = None) -> Path:
         plots.lr_curves(lr_groups(cells, sweep["lr_key"], sweep.get("axes") or [], sweep["mode"]), sweep["metric"],
                         out_dir / names[1])
     axes = sweep.get("axes") or sorted({k for r in results for k in r.params})
-    write_text_atomic(out_dir / "runs.csv", csv_text(results, axes, sweep_dir))
+    write_text_atomic(out_dir / "runs.csv", csv_text(results, axes, sweep_dir, list(sweep.get("outcomes") or {})))
     report = out_dir / "report.md"
     write_text_atomic(report, render(sweep, results, names, sweep_dir))
     return report
+
+
+JUDGED = ("## Against the baseline", "## LR groups against", "## Stability:")
+
+
+def verdicts(report: str) -> str:
+    """The report's judged sections (the question's comparisons and each stability outcome), as `--report` prints
+    them on the console."""
+    sections = report.split("\n## ")
+    picked = ["## " + s.strip() for s in sections[1:] if ("## " + s).startswith(JUDGED)]
+    return "\n\n".join(picked) + "\n" if picked else ""

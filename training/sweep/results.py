@@ -4,7 +4,8 @@ Shared by the sweep's report (training/sweep/report.py) and `normlab compare` (t
 give the same number for the same run:
 - final metric: the metric's value at the last step it was logged (the run's TensorBoard events, read by
   `training.run.dir.RunDir.scalars`: a step logged twice, as after a resume's purge, keeps its newest value),
-  with that step. A run whose outcome
+  with that step — or the spec's reduction of its logged values (`training.stats.Reduction`: min, max, the mean
+  of the last K). A run whose outcome
   is "diverged" has no final metric (NaN): it is counted as an outcome, never averaged as a number.
 - outcome: `training.stats.training_outcome` of the run's logged `train/loss` values in step order (trains /
   stalled / diverged, the study's definition): "diverged" also whenever the runner recorded the run as
@@ -13,6 +14,8 @@ give the same number for the same run:
 - initial loss: the first logged `train/loss` and its step (`initial_step`). `normlab fit` logs the loss of
   update 1 — the loss at initialization — at step 1 whatever `trainer.log_every_n_steps` is; a run written
   before that logs it only after `log_every_n_steps` updates, and the report says so.
+- stability outcomes (training/sweep/outcomes.py): the spikes of its logged `train/loss` by the guard's rule and
+  the peak of its exact max attention logit, when the spec asks for them (NaN where never logged).
 - one config per cell (`check_one_config_per_cell`): the runs of a cell, as `normlab sweep` recorded them, were
   trained with the same arguments and `-c` files — else the statistics would judge two configs as one.
 """
@@ -27,7 +30,8 @@ from typing import Any
 
 from training.errors import UserError
 from training.run.dir import Points, RunDir
-from training.stats import training_outcome
+from training.stats import Reduction, training_outcome
+from training.sweep.outcomes import SPIKE_TAG, logged_every, run_outcomes
 
 TRAIN_LOSS = "train/loss"
 PER_RUN_ARGS = ("--runs_dir=", "--name=", "--seed_everything=", "--data.seed=")  # what a cell's seeds differ in
@@ -58,6 +62,8 @@ class RunResult:
     initial_step: int | None = None  # the step of the first logged train/loss (1: the loss at initialization)
     curves: dict[str, Points] = field(default_factory=dict)  # train/loss and the metric, against steps
     tokens_per_step: float = 0.0
+    values: dict[str, float] = field(default_factory=dict)  # the spec's per-run stability outcomes
+    loss_every: int | None = None  # how often train/loss was logged (steps): what the spike count sees
 
     @property
     def included(self) -> bool:
@@ -69,8 +75,10 @@ class RunResult:
 
 
 def result(cell: str, params: dict[str, Any], seed: Any, run_dir: Path, status: str, metric: str,
-           run: RunDir | None = None) -> RunResult:
-    """One run's result (read through `run`, else a `RunDir` of `run_dir`); `status` is `RunDir.status`'s."""
+           run: RunDir | None = None, reduce: Reduction | None = None,
+           outcomes: dict[str, dict[str, Any]] | None = None) -> RunResult:
+    """One run's result (read through `run`, else a `RunDir` of `run_dir`); `status` is `RunDir.status`'s; `reduce`:
+    what one number of the metric is (default its final value); `outcomes`: the stability outcomes' rules."""
     base = RunResult(cell, params, seed, run_dir, status)
     if status not in INCLUDED:
         return base
@@ -80,7 +88,7 @@ def result(cell: str, params: dict[str, Any], seed: Any, run_dir: Path, status: 
     s = run.require_logged().scalars
     losses = [v for _, v in s.get(TRAIN_LOSS, [])]
     points = s.get(metric, [])
-    final_step, final = points[-1] if points else (None, math.nan)
+    final, final_step = (reduce or Reduction())(points)
     # a metric that was logged non-finite diverged; one never logged is missing (final NaN), not an outcome
     if not losses and status != "diverged":  # nothing to judge the outcome by (logged less often than it ran)
         return RunResult(cell, params, seed, run_dir, f"{status} without {TRAIN_LOSS}")
@@ -91,7 +99,8 @@ def result(cell: str, params: dict[str, Any], seed: Any, run_dir: Path, status: 
     return RunResult(cell, params, seed, run_dir, status, outcome,
                      final if outcome != "diverged" else math.nan, final_step, steps, steps * per_step,
                      losses[0] if losses else math.nan, s[TRAIN_LOSS][0][0] if losses else None,
-                     {tag: s[tag] for tag in (TRAIN_LOSS, metric) if tag in s}, per_step)
+                     {tag: s[tag] for tag in (TRAIN_LOSS, metric) if tag in s}, per_step,
+                     run_outcomes(s, outcomes or {}), logged_every(s.get(SPIKE_TAG, [])))
 
 
 def _trained_config(record: dict[str, Any]) -> tuple[tuple[str, ...], tuple[tuple[str, str], ...]]:

@@ -73,13 +73,18 @@ def status_table(spec: Spec, runs: list[Run]) -> str:
     return table(spec, runs, metrics) + f"{Path(spec.sweep_dir) / SWEEP_STATE_FILE}\n"
 
 
-def dry_run(spec: Spec, runs: list[Run]) -> str:
-    """`--dry_run`: each run, its state and its exact command; nothing is started or written."""
+def dry_run(spec: Spec, runs: list[Run], max_parallel: int = 1, executor: str = "local") -> str:
+    """`--dry_run`: each run, its state and its exact command, and the time the runs left would take
+    (estimate.py: what it is measured from); nothing is started or written."""
     import shlex
+
+    from training.sweep.estimate import estimate_lines
 
     lines = [f"sweep {spec.name}: {len(runs)} runs ({len(spec.cells())} cells x {len(spec.seeds)} seeds) in "
              f"{spec.sweep_dir}"]
+    todo = []
     for run in runs:
         status = run_status(spec.sweep_dir / run.rel)[0]
+        todo += [run] if status not in ("finished", "diverged") else []
         lines.append(f"{run.rel}  [{status}]\n  {shlex.join(run.command)}")
-    return "\n".join(lines) + "\n"
+    return "\n".join([*lines, *estimate_lines(spec, runs, todo, max_parallel, executor)]) + "\n"

@@ -9,7 +9,9 @@
     zip: {optim.lr: [...], optim.min_lr: [...]}   # axes that vary together (equal lengths), crossed with grid
     seeds: [0, 1, 2]              # each run's --seed_everything (the initialization)
     data_order: seed              # seed (default): --data.seed=<seed> per run; fixed: one data order for all runs
-    metric: val/loss              # what the report judges, and `mode` (min | max) says which way is better
+    metric: val/loss              # what the report judges ({tag: TAG, reduce: final | min | max | {mean_last: K}}),
+                                  # and `mode` (min | max) says which way is better
+    outcomes: {spikes: {window: 50, threshold: 6, margin: 1}}   # stability outcomes judged too (outcomes.py)
     baseline: placement=pre       # a cell name (or null); margin: the equivalence margin of the report
     question: cells               # what the verdicts answer: cells | lr_sensitivity | best_lr
     compare: [placement=post]     # the question's family: the cells (or LR groups) judged against the baseline
@@ -39,10 +41,11 @@ import yaml
 
 from training.errors import UserError
 from training.run.membership import format_value
-from training.stats import MODES
+from training.stats import MODES, Reduction
+from training.sweep.outcomes import parse_metric, parse_outcomes
 
 SPEC_KEYS = ("name", "runs_dir", "base", "grid", "zip", "seeds", "data_order", "metric", "mode", "baseline",
-             "margin", "lr_key", "question", "compare", "executor", "slurm")
+             "margin", "lr_key", "question", "compare", "outcomes", "executor", "slurm")
 LEGACY_EXECUTOR_KEYS = ("slurm",)  # executors whose settings older specs give as a top-level key
 DATA_ORDERS = ("seed", "fixed")
 QUESTIONS = ("cells", "lr_sensitivity", "best_lr")
@@ -79,12 +82,14 @@ class Spec:
     seeds: tuple[int, ...] = (0,)
     data_order: str = "seed"
     metric: str = "val/loss"
+    reduce: Reduction = field(default_factory=Reduction)
     mode: str = "min"
     baseline: str | None = None
     margin: float | None = None
     lr_key: str | None = None
     question: str = "cells"
     compare: tuple[str, ...] | None = None
+    outcomes: dict[str, dict[str, Any]] = field(default_factory=dict)  # outcome name → its settings
     executor: dict[str, dict[str, Any]] = field(default_factory=dict)  # executor name → its settings
 
     @property
@@ -167,7 +172,7 @@ def _mapping(path: Path, raw: Any, field_: str, scalar_values: bool) -> dict[str
             if not isinstance(v, (str, int, float, bool)) and v is not None or "/" in str(v) or "," in str(v):
                 raise _fail(path, f"{field_}.{key} value {v!r} must be a number, a word, true/false or null "
                             "(without '/' or ',': it becomes part of a directory name)")
-        if len(set(map(_same_value, values))) != len(values):  # (1 and 1.0 train the same run)
+        if field_ == "grid" and len(set(map(_same_value, values))) != len(values):  # (1 and 1.0: the same run)
             raise _fail(path, f"{field_}.{key} lists a value twice: {values!r}")
     return dict(raw)
 
@@ -218,6 +223,10 @@ def load_spec(path: str | Path) -> Spec:
     zipped = _mapping(path, raw.get("zip"), "zip", True)
     if len({len(v) for v in zipped.values()}) > 1:
         raise _fail(path, f"zip axes must have equal lengths, got { {k: len(v) for k, v in zipped.items()} }")
+    rows = list(zip(*([_same_value(x) for x in v] for v in zipped.values()), strict=True))
+    twice = next((i for i, row in enumerate(rows) if row in rows[:i]), None)
+    if twice is not None:  # an axis may repeat a value (arms that differ in another key), a whole row may not
+        raise _fail(path, f"zip lists row {twice + 1} twice: {({k: v[twice] for k, v in zipped.items()})!r}")
     both = sorted(set(grid) & set(zipped) | (set(grid) | set(zipped)) & set(overrides))
     if both:
         raise _fail(path, f"{both[0]!r} is set twice (grid, zip and base.overrides must not share keys)")
@@ -225,10 +234,14 @@ def load_spec(path: str | Path) -> Spec:
     if not isinstance(seeds, list) or not seeds or not all(isinstance(s, int) and s >= 0 for s in seeds) \
             or len(set(seeds)) != len(seeds):
         raise _fail(path, f"seeds must be a list of distinct non-negative integers, got {seeds!r}")
+    try:
+        (metric, reduce), outcomes = parse_metric(raw.get("metric")), parse_outcomes(raw.get("outcomes"))
+    except ValueError as err:
+        raise _fail(path, str(err)) from None
     spec = Spec(path=path, name=name, runs_dir=Path(raw.get("runs_dir") or "runs").absolute(), configs=configs,
                 overrides=overrides, grid=grid, zip=zipped, seeds=tuple(seeds),
-                data_order=_data_order(path, raw),
-                metric=str(raw.get("metric") or "val/loss"), mode=_choice(path, raw, "mode", MODES, "min"),
+                data_order=_data_order(path, raw), metric=metric, reduce=reduce, outcomes=outcomes,
+                mode=_choice(path, raw, "mode", MODES, "min"),
                 baseline=raw.get("baseline"), margin=_margin(path, raw.get("margin")),
                 lr_key=raw.get("lr_key", "optim.lr" if "optim.lr" in grid or "optim.lr" in zipped else None),
                 question=_choice(path, raw, "question", QUESTIONS, "cells"), compare=_names(path, raw.get("compare")),
@@ -259,9 +272,9 @@ def _names(path: Path, raw: Any) -> tuple[str, ...] | None:
 
 def _check_question(spec: Spec, cells: list[str]) -> None:
     """The question's family must name what exists: cells, or LR groups (which need an lr_key)."""
-    if spec.question != "cells" and spec.lr_key is None:
-        raise _fail(spec.path, f"question {spec.question!r} compares LR groups: give an lr_key (an axis of grid or "
-                    "zip)")
+    if (spec.question != "cells" or "lr_reach" in spec.outcomes) and spec.lr_key is None:
+        what = f"question {spec.question!r}" if spec.question != "cells" else "outcomes.lr_reach"
+        raise _fail(spec.path, f"{what} compares LR groups: give an lr_key (an axis of grid or zip)")
     if spec.compare is None:
         return
     if spec.baseline is None:

@@ -3,12 +3,11 @@ question judged (the cells against the baseline, or the LR groups against the ba
 groups. How to read each column: docs/sweep-report.md."""
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from training.stats import ALPHA, Estimate, Judgement
+from training.stats import ALPHA, Reduction
 from training.sweep.analysis import (
     Cell,
     Comparison,
@@ -20,26 +19,14 @@ from training.sweep.analysis import (
     lr_groups,
 )
 from training.sweep.results import RunResult
+from training.sweep.rows import comparison_table, fmt, interval, power, tests, verdict
+from training.sweep.stability import sections
 
 STATISTIC_NAMES = {"lr_sensitivity": "LR sensitivity", "best_lr": "at its own best LR (cross-fitted)"}
 
 
-def _fmt(x: float | None, spec: str = ".4f") -> str:
-    return "—" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
-
-
-def _p(p: float) -> str:
-    return "—" if math.isnan(p) else f"{p:.3g}"
-
-
-def _interval(e: Estimate | None) -> str:
-    if e is None or math.isnan(e.mean):
-        return "—"
-    return f"[{e.lo:+.4f}, {e.hi:+.4f}]" if e.n > 1 and e.se > 0 else "— (one seed)" if e.n == 1 else "[exact]"
-
-
 def _seed_values(cell: Cell) -> str:
-    return ", ".join(f"s{r.seed}: {r.outcome if r.outcome == 'diverged' else _fmt(r.final)}" for r in cell.included)
+    return ", ".join(f"s{r.seed}: {r.outcome if r.outcome == 'diverged' else fmt(r.final)}" for r in cell.included)
 
 
 def where(run: RunResult, root: Path | None) -> str:
@@ -54,45 +41,10 @@ def cell_table(cells: Sequence[Cell], metric: str) -> list[str]:
             "|---|---|---|---|---|---|"]
     for cell in cells:
         e, counts = cell.estimate(), cell.counts()
-        mean = "—" if e is None else f"{e.mean:.4f} ± {_fmt(e.sd)} (n={e.n})"
+        mean = "—" if e is None else f"{e.mean:.4f} ± {fmt(e.sd)} (n={e.n})"
         ci = "—" if e is None else f"[{e.lo:.4f}, {e.hi:.4f}]" if e.n > 1 else "— (one seed)"
         rows.append(f"| {cell.name} | {len(cell.included)} | {counts['trains']} / {counts['stalled']} / "
                     f"{counts['diverged']} | {mean} | {ci} | {_seed_values(cell)} |")
-    return rows
-
-
-def _verdict(j: Judgement, judged: bool) -> str:
-    if not judged:
-        return "— (not the question)"
-    return f"**{j.verdict}**" + (f" ‡ (sign-flip: {j.verdict_perm})" if j.disagree else "")
-
-
-def _tests(j: Judgement) -> str:
-    """p: t / sign-flip (raw), then Holm."""
-    p, q = j.p, j.p_adjusted
-    return (f"{_p(p['difference'])} / {_p(p['difference_perm'])}, {_p(q['difference'])} / "
-            f"{_p(q['difference_perm'])}")
-
-
-def _power(j: Judgement) -> str:
-    power = "—" if math.isnan(j.power) else f"{j.power:.0%}"
-    return f"{power}, {_fmt(j.mde)}"
-
-
-def comparison_table(comparisons: Sequence[Comparison], baseline: str, judged: bool = True) -> list[str]:
-    """Per cell against the baseline: the paired difference, its interval, the p-values (t-test and sign-flip,
-    raw and Holm), the equivalence p, the seeds that diverged in one arm only, the power and MDE at the family's
-    level, and the verdict (when the cells are the spec's question: `judged`)."""
-    rows = [f"| cell − {baseline} | paired seeds | mean difference | 95% CI | p: t / sign-flip, Holm | "
-            "equivalence p, Holm | diverged here only / in baseline only | power at ±margin, MDE (α/k) | verdict |",
-            "|---|---|---|---|---|---|---|---|---|"]
-    for c in comparisons:
-        j = c.judgement
-        only_here, only_base = c.diverged
-        rows.append(
-            f"| {c.cell} | {len(c.paired)} of {len(c.shared)} | {_fmt(j.difference.mean, '+.4f')} | "
-            f"{_interval(j.difference)} | {_tests(j)} | {_p(j.p['equivalence'])}, {_p(j.p_adjusted['equivalence'])} "
-            f"| {only_here} / {only_base} | {_power(j)} | {_verdict(j, judged)} |")
     return rows
 
 
@@ -108,8 +60,8 @@ def group_table(judged: dict[str, list[Comparison]], baseline: str, question: st
             j = c.judgement
             boot = "—" if c.bootstrap is None else f"[{c.bootstrap[0]:+.4f}, {c.bootstrap[1]:+.4f}]"
             rows.append(f"| {c.cell} | {STATISTIC_NAMES[statistic]} | {len(c.paired)} | "
-                        f"{_fmt(j.difference.mean, '+.4f')} | {_interval(j.difference)} | {boot} | {_tests(j)} | "
-                        f"{_power(j)} | {_verdict(j, statistic == question)} |")
+                        f"{fmt(j.difference.mean, '+.4f')} | {interval(j.difference)} | {boot} | {tests(j)} | "
+                        f"{power(j)} | {verdict(j, statistic == question)} |")
     return rows
 
 
@@ -121,15 +73,15 @@ def lr_table(groups: Sequence[LrGroup], metric: str, mode: str) -> list[str]:
     for g in groups:
         best = g.best
         e = best.estimate() if best else None
-        at_best = "—" if e is None else f"{e.mean:.4f} ± {_fmt(e.sd)} (n={e.n}), " + (
+        at_best = "—" if e is None else f"{e.mean:.4f} ± {fmt(e.sd)} (n={e.n}), " + (
             f"[{e.lo:.4f}, {e.hi:.4f}]" if e.n > 1 else "one seed")
         counts = " / ".join(str(v) for v in best.counts().values()) if best else "—"
         s = g.sensitivity
         sens = "—" if s is None else f"{s.mean:.4f}" + (f", [{s.lo:.4f}, {s.hi:.4f}]" if s.n > 1 else " (one seed)")
-        scores = ", ".join(f"{lr:g}: {_fmt(x)}" for lr, x in g.scores.items())
+        scores = ", ".join(f"{lr:g}: {fmt(x)}" for lr, x in g.scores.items())
         edge = " (unbracketed: at the grid's edge)" if g.unbracketed else ""
-        rows.append(f"| {g.name} | {_fmt(g.best_lr, 'g')}{edge} | {at_best} | {counts} | {sens} | {scores} |")
-    cap = ", ".join(f"{g.name}: {_fmt(g.cap)}" for g in groups)
+        rows.append(f"| {g.name} | {fmt(g.best_lr, 'g')}{edge} | {at_best} | {counts} | {sens} | {scores} |")
+    cap = ", ".join(f"{g.name}: {fmt(g.cap)}" for g in groups)
     note = (f"Score: the mean over seeds of the final {metric}, a diverged run counted as its seed's loss at "
             f"initialization and a final value above it capped there (median per group: {cap}); "
             if mode == "min" else f"Score: the mean over seeds of the final {metric}, a diverged run counted as "
@@ -143,11 +95,15 @@ def lr_table(groups: Sequence[LrGroup], metric: str, mode: str) -> list[str]:
     return rows + ["", note]
 
 
-def definitions(metric: str, mode: str, baseline: str | None, margin: float | None, family: str) -> str:
+def definitions(metric: str, mode: str, baseline: str | None, margin: float | None, family: str,
+                reduce: Reduction | None = None) -> str:
     """The report's definitions, in its own words (the long form: docs/sweep-report.md)."""
     better = "lower" if mode == "min" else "higher"
-    text = (f"Final {metric}: its value at the last step it was logged in the run's TensorBoard events "
-            f"({better} is better). Outcome (trains / stalled / diverged): diverged — the runner recorded a "
+    reduce = reduce or Reduction()
+    read = ("its value at the last step it was logged" if reduce.kind == "final" else
+            f"the {reduce.describe(metric)}, over the values logged")
+    text = (f"Final {metric}: {read} in the run's TensorBoard events ({better} is better). Outcome (trains / "
+            "stalled / diverged): diverged — the runner recorded a "
             "non-finite loss, a non-finite metric was logged, the mean of the last 10% of the logged "
             "`train/loss` values ended above the first, or a final loss ended above it; stalled — less than 0.1 "
             "nats of progress from the best of the first 20% of them; else trains. A diverged run has no final "
@@ -165,8 +121,9 @@ def definitions(metric: str, mode: str, baseline: str | None, margin: float | No
     text += ("EQUIVALENT if \"equivalent\" rejects, " if margin is not None else "(no margin given: no "
              "equivalence test) ")
     return text + ("else BETTER / WORSE by the sign if \"different\" rejects, else INCONCLUSIVE; ‡ marks a verdict "
-                   "the sign-flip test does not share (the t-test's rests on normal tails). Power and MDE are at "
-                   "α/k, the level Holm applies to the family's smallest p.")
+                   "the sign-flip test does not share (the t-test's rests on normal tails), and with too few seeds for "
+                   "the sign-flip test to reach α/k at all (2/2ⁿ is its smallest p: 6 seeds at α = 0.05) there is no "
+                   "verdict. Power and MDE are at α/k, the level Holm applies to the family's smallest p.")
 
 
 def _family_text(question: str, baseline: str, n: int) -> str:
@@ -195,15 +152,21 @@ def tables(sweep: dict[str, Any], results: Sequence[RunResult], root: Path | Non
         by_stat = {s: compare_groups(groups, base_group, margin, mode, s,
                                      family=family if question == s else None) for s in stats}
     size = len(compared) if question == "cells" else len(by_stat.get(question, []))
+    reduce, outcomes = Reduction.parse(sweep.get("reduce", "final")), sweep.get("outcomes") or {}
     lines += [definitions(metric, mode, baseline, margin, _family_text(question, baseline, size)
-                          if baseline is not None else ""), "", "## Cells", "", *cell_table(cells, metric), ""]
+                          if baseline is not None else "", reduce), "", "## Cells", "",
+              *cell_table(cells, metric), ""]
     if compared:
-        lines += [f"## Against the baseline `{baseline}`", "", *_best_warning(cells, compared, baseline, mode),
+        # a baseline the spec fixed before the runs cannot be the winner's curse; one chosen afterwards can
+        warning = [] if sweep.get("baseline_from") == "spec" else _best_warning(cells, compared, baseline, mode)
+        lines += [f"## Against the baseline `{baseline}`", "", *warning,
                   *comparison_table(compared, baseline, question == "cells"), ""]
     if groups:
         lines += [f"## Learning rate (`{sweep['lr_key']}`)", "", *lr_table(groups, metric, mode), ""]
     if by_stat:
         lines += [f"## LR groups against `{base_group}`", "", *group_table(by_stat, base_group, question), ""]
+    lines += sections(outcomes, cells, groups, baseline, base_group, mode, family if question == "cells" else None,
+                      family if question != "cells" else None)
     missing = [r for r in results if not r.included]
     if missing:
         lines += ["## Not included", "", *(f"- `{where(r, root)}` ({r.cell}): {r.status}" for r in missing), ""]
@@ -212,7 +175,8 @@ def tables(sweep: dict[str, Any], results: Sequence[RunResult], root: Path | Non
 
 def _best_warning(cells: Sequence[Cell], compared: Sequence[Comparison], baseline: str, mode: str) -> list[str]:
     """A warning when the baseline is the best of the cells it is compared with: if it was chosen after the
-    runs, every difference favours it by construction."""
+    runs, every difference favours it by construction (`normlab compare --baseline`; a sweep's baseline is fixed
+    in its spec before the runs)."""
     pool = [c for c in cells if c.name == baseline or c.name in {x.cell for x in compared}]
     if len(pool) < 2 or best_cell(pool, mode) != baseline:
         return []

@@ -7,7 +7,7 @@ diverged run counted as its seed's cap, as everywhere in the LR statistics), wit
 and the contiguous range of x around it where m stays within δ of m(η*) (below m* + δ for a loss, above m* − δ
 for an accuracy), each end placed where the curve, linear in x between grid points, crosses m* ± δ. The reach is
 that range's width in decades of LR. The curve is the mean over seeds, never a per-seed curve: a per-seed best
-is biased low by the seed's noise, so a noisier configuration would look flatter (science review, the
+is biased low by the seed's noise, so a noisier configuration would look flatter (the
 per-seed-minimum bias); the mean curve's noise is √n smaller, and the comparison's intervals carry what is left.
 A range that reaches an end of the grid is open there: the reach is "at least" its width (`Reach.at_least`) —
 always so when the best LR is itself at an end (`Reach.unbracketed`).

@@ -60,6 +60,7 @@ class StabilityProbe:
     def __init__(self) -> None:
         self._tracked: list[tuple[nn.Module, bool]] = []
         self._before: dict[str, torch.Tensor] | None = None
+        self._groups: dict[str, str] = {}  # before_step's update_groups, read again by after_step
 
     def start(self, model: nn.Module) -> None:
         """Have every attention record its per-head max logit in the next forward (restored by `logits`)."""
@@ -81,9 +82,9 @@ class StabilityProbe:
 
     def before_step(self, model: nn.Module, deepspeed: bool) -> None:
         """Keep the blocks' parameters as the optimizer step will find them (fp32, whole; on every rank)."""
-        groups = update_groups(model)
+        self._groups = update_groups(model)
         self._before = {name: full_param(p, deepspeed).float().clone() for name, p in model.named_parameters()
-                        if name in groups}
+                        if name in self._groups}
 
     def after_step(self, model: nn.Module, deepspeed: bool) -> dict[str, float]:
         """‖θ_after − θ_before‖ / ‖θ_before‖ per block and group, once the optimizer step is done ({} when no step
@@ -91,7 +92,7 @@ class StabilityProbe:
         before, self._before = self._before, None
         if before is None:
             return {}
-        groups = update_groups(model)
+        groups = self._groups
         change: dict[str, Any] = {}
         size: dict[str, Any] = {}
         for name, p in model.named_parameters():

@@ -18,6 +18,7 @@ import torch
 from tests.helpers.faults import signal_when_waiting
 from tests.helpers.multiproc import REPO, run_normlab
 from tests.helpers.runs import consolidated_state_dict, scalars
+from tests.helpers.zero_runs import QK_CLIP
 from training.strategy import resolve_strategy
 
 HELPERS = REPO / "tests" / "helpers"
@@ -28,7 +29,7 @@ def fit_args(workdir: Path, name: str, *extra: str, devices: int = 2, probe: str
     return ["fit", "-c", str(HELPERS / "tiny.yaml"), "-c", str(HELPERS / probe) if "/" not in probe else probe,
             "--data.path", str(workdir / "tiny"), "--runs_dir", str(workdir / "runs"), "--name", name,
             "--trainer.strategy", "ddp", "--trainer.devices", str(devices), "--checkpoint.every_n_steps", "3",
-            "--optim.name", "muon", "--optim.qk_clip", "0.03", *extra]  # Muon with QK-clip: MuonClip under DDP
+            "--optim.qk_clip", QK_CLIP, *extra]  # the reference run's own arguments (tests/helpers/zero_runs.py)
 
 
 def ckpt(workdir: Path, name: str, step: int) -> Path:

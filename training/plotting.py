@@ -53,7 +53,7 @@ def band(ax: Any, x: Sequence[float], per_seed: Sequence[Sequence[float]], label
     mislead: the means are markers and the range over seeds a vertical bar at each. Returns the mean's line."""
     mean, lo, hi = seed_band(per_seed)
     few = len(mean) < 3
-    (line,) = ax.plot(x, mean, label=f"{label} (n={len(per_seed)})", **({"marker": "o"} if few else {}), **kw)
+    (line,) = ax.plot(x, mean, label=f"{label} (n={len(per_seed)})", **({"marker": "o", **kw} if few else kw))
     if len(per_seed) > 1 and few:
         ax.vlines(x, lo, hi, color=line.get_color(), alpha=0.5)
     elif len(per_seed) > 1:

@@ -1,17 +1,18 @@
 """QK-clip in the training loop (`optim.qk_clip: τ`; what it does: training/optim/qk_clip.py).
 
 The per-head maxima are exact and come from the training forward itself: every attention module records its
-`max_logit_per_head` [H] (`Attention.track_max_logit`, switched on here for training only, off during validation),
-the maximum is kept over the step's micro-batches, and one MAX all-reduce of all layers' [L, H] maxima makes every
-rank's the global one. After the optimizer step (on_train_batch_end; the step whose update the guard skipped
-too), the offending heads' query and key rows are scaled:
+`max_logit_per_head` [H] (`Attention.track_max_logit`, switched on before every training batch, off during
+validation), the maximum is kept over the step's micro-batches, and one MAX all-reduce of all layers' [L, H]
+maxima makes every rank's the global one. After the optimizer step (on_train_batch_end; the step whose update
+the guard skipped too), the offending heads' query and key rows are scaled:
 - one process, DDP: in place on each rank's parameters, which are the same everywhere;
+- FSDP2: each rank scales the rows of its own shard (`Shard(0)`) in place, with no collective;
 - DeepSpeed ZeRO 1–3: the fp32 master weights the optimizer steps are scaled together with the module's own copy
   the forward reads — under ZeRO-1/2 read whole (`full_param`, a collective) and written back to this rank's
   fragment (`safe_set_full_fp32_param`) and to the module's full copy; under ZeRO-3 shard-wise, each rank scaling
   the elements it holds (the module's `ds_tensor` and `safe_get/set_local_fp32_param`), with no gather. Every
   rank clips the same layers in the same order (the maxima are global), so the collectives match. Tested against
-  one process on 2 ranks, every stage.
+  one process on 2 ranks, every ZeRO stage, and FSDP2 against DDP.
 Logged every step: `qk_clip/max_logit` (the largest logit of the step, every layer and head) and
 `qk_clip/heads_clipped`. One host read of the maxima per step (on a GPU, one sync).
 """
@@ -23,6 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from lightning.pytorch import Callback, LightningModule, Trainer
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from training import health_tags as T
 from training.distributed import full_param, is_deepspeed
@@ -44,14 +46,11 @@ class QKClip(Callback):
         for attn in self._attentions(pl_module):
             attn.track_max_logit = on
 
-    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._track(pl_module, True)
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
+        self._track(pl_module, True)  # every training forward, also the first after a validation
 
     def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._track(pl_module, False)  # a validation's logits are not a training step's
-
-    def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._track(pl_module, trainer.training)
 
     def on_before_backward(self, trainer: Trainer, pl_module: LightningModule, loss: torch.Tensor) -> None:
         maxima = torch.stack([attn.max_logit_per_head for attn in self._attentions(pl_module)])
@@ -105,6 +104,9 @@ def _scale(p: torch.nn.Parameter, factors: torch.Tensor, deepspeed: bool, zero3:
     """p's head rows × factors, in the optimizer's fp32 master weights and in the module's copy. ZeRO-1/2: the
     master weights read whole (a collective: every rank calls it for the same parameters in the same order);
     ZeRO-3: each rank scales its own shards (`_scale_shards`), with no collective."""
+    if isinstance(p, DTensor):
+        _scale_dtensor(p, factors)
+        return
     if not deepspeed:
         p.copy_(scaled_rows(p, factors))
         return
@@ -118,9 +120,20 @@ def _scale(p: torch.nn.Parameter, factors: torch.Tensor, deepspeed: bool, zero3:
     p.data.copy_(new.to(p.dtype))  # the module's copy, whole on every rank under ZeRO-1/2
 
 
+def _scale_dtensor(p: DTensor, factors: torch.Tensor) -> None:
+    """FSDP2: p is sharded by rows (`Shard(0)`), with no other copy (the optimizer steps the sharded parameter
+    itself). Each rank scales the rows it holds by their heads' factors: the row factors laid out with p's own
+    placements (`src_data_rank=None`: every rank slices its share of the same vector, no communication)."""
+    rows = factors.to(p.dtype).repeat_interleave(p.shape[0] // factors.numel())
+    rows = rows.view(-1, *([1] * (p.dim() - 1)))
+    p.to_local().mul_(distribute_tensor(rows, p.device_mesh, p.placements, src_data_rank=None).to_local())
+
+
 def _scale_shards(p: torch.nn.Parameter, factors: torch.Tensor) -> None:
     """ZeRO-3: rank r holds elements [r·n, (r+1)·n) of the flattened parameter (the last shard padded), both of the
-    module's copy (`ds_tensor`) and of the fp32 master weights; each element's factor is its row's head's."""
+    module's copy (`ds_tensor`) and of the fp32 master weights; each element's factor is its row's head's. A
+    persistent parameter (`ds_persist`: below `stage3_param_persistence_threshold`, never re-gathered) also has
+    its whole copy, the same on every rank, scaled."""
     from deepspeed.utils import safe_get_local_fp32_param, safe_set_local_fp32_param
 
     shard = p.ds_tensor
@@ -130,5 +143,7 @@ def _scale_shards(p: torch.nn.Parameter, factors: torch.Tensor) -> None:
     head = (row // (rows // factors.numel())).clamp(max=factors.numel() - 1)
     scale = torch.where(index < p.ds_numel, factors.to(shard.device)[head], torch.ones((), device=shard.device))
     shard.data.mul_(scale.to(shard.dtype))
+    if getattr(p, "ds_persist", False):  # a small parameter ZeRO-3 keeps whole on every rank (its persistence
+        p.data.copy_(scaled_rows(p.data, factors))  # threshold): the forward reads that copy, not the shards
     master = safe_get_local_fp32_param(p)
     safe_set_local_fp32_param(p, master * scale.to(master.dtype).view_as(master))

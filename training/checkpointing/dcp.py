@@ -6,7 +6,7 @@ chunks of which tensor sit where — and one `__<rank>_<n>.distcp` file per writ
 them normlab's `meta.pt` (rank 0): the rest of Lightning's checkpoint — loops, callbacks, LR schedulers, RNG.
 
 torch's own reader unpickles `.metadata` with plain `pickle.load` and the non-tensor records with
-`torch.load(weights_only=False)`: a crafted file would run code. Here nothing is read that way:
+`torch.load` with `weights_only` off: a crafted file would run code. Here nothing is read that way:
 - `refuse_code(ckpt_dir)` checks every record of every `.distcp` file (its pickle opcodes, not run) and the
   metadata before a load, so every rank refuses a crafted file at the same point, with one line naming it;
 - `read_metadata` unpickles `.metadata` with an unpickler that builds only DCP's own metadata classes (`_ALLOWED`);

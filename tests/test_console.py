@@ -171,8 +171,27 @@ def test_closing_lines_continue_a_stopped_run_as_it_is(tmp_path):
     (ckpt / layout.MANIFEST).write_text('{"step": 100, "format": "lightning"}')
     stopped, finished = closing_lines(run, "c.yaml", 150, 300), closing_lines(run, "c.yaml", 300, 300)
     assert stopped[-1].endswith("normlab fit -c c.yaml --ckpt_path last")
-    assert finished[-1].endswith("--ckpt_path last --trainer.max_steps 600")
+    assert finished[-1].endswith("--ckpt_path last --trainer.max_steps 600 --optim.continuation hold")
     assert f"normlab evaluate --checkpoint {ckpt}" in stopped[-2]
+
+
+def test_closing_lines_quote_every_path_they_print(tmp_path):
+    """A run name with `$(…)`, `;` or spaces is printed so that pasting the line runs only the command it shows."""
+    import shlex
+
+    from training.callbacks.summary import closing_lines
+    from training.run import layout
+
+    run = tmp_path / "a b;$(touch x)"
+    ckpt = layout.checkpoints_dir(run) / layout.step_dirname(4)
+    ckpt.mkdir(parents=True)
+    (ckpt / layout.MANIFEST).write_text('{"step": 4, "format": "lightning"}')
+    lines = closing_lines(run, run / "config.yaml", 4, 4)
+    commands = {line.split(":", 1)[0]: shlex.split(line.split(":", 1)[1]) for line in lines[2:]}
+    assert commands["curves"] == ["tensorboard", "--logdir", str(run)]
+    assert commands["evaluate"] == ["normlab", "evaluate", "--checkpoint", str(ckpt)]
+    assert commands["train on"] == ["normlab", "fit", "-c", str(run / "config.yaml"), "--ckpt_path", "last",
+                                    "--trainer.max_steps", "8", "--optim.continuation", "hold"]
 
 
 # ModelConfig fields the summary's first three lines cover, and those it leaves to config.yaml. With MORE_AXES

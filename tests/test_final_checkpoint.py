@@ -3,6 +3,7 @@ SIGTERM (a real signal to a real `normlab fit` process), from which the resumed 
 from __future__ import annotations
 
 import json
+import shlex
 from pathlib import Path
 
 import pytest
@@ -35,6 +36,16 @@ def test_max_steps_off_the_interval_saves_the_last_step_once(workdir):
     # Resuming a finished run trains nothing and saves nothing: step 6 exists already.
     again = run_normlab(fit_args(workdir, "six", "--trainer.max_steps", "6", "--ckpt_path", "last"), cwd=workdir)
     assert steps_saved(run) == ["step-00000004", "step-00000006"] and "final checkpoint" not in again.stderr
+    # The closing advice, run as printed, trains on to 12 steps with the schedule the run had: its 6-step cosine,
+    # then the LR it ended with (optim.min_lr), not a schedule recomputed over 12 steps (a jump back up).
+    advice = next(line for line in out.stderr.splitlines() if "train on:" in line).split("train on:", 1)[1]
+    assert shlex.split(advice)[:2] == ["normlab", "fit"] and "--optim.continuation hold" in advice
+    before = scalars(run, "train/lr")
+    run_normlab(shlex.split(advice)[1:], cwd=workdir)
+    lrs = scalars(run, "train/lr")
+    assert max(lrs) == 12 and all(lrs[s] == before[s] for s in before)
+    assert all(lrs[s] == pytest.approx(1e-4) for s in range(7, 13))  # optim.min_lr: the cosine's end
+    assert json.loads((run / "checkpoints" / "step-00000012" / "manifest.json").read_text())["schedule"]["steps"] == 6
 
 
 def test_a_callback_stopping_the_fit_saves_the_step_it_stopped_at(workdir, tmp_path):

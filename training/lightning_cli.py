@@ -308,6 +308,10 @@ class NormlabCLI(LightningCLI):
             self.trainer.strategy.resume_from(self.plan.load_path)  # (another world size: the universal format)
         if self.plan.parent is not None:
             self._check_branch(self.plan.parent)
+        elif self.plan.load_path and (layout.ckpt_dir_of(self.plan.load_path) / layout.MANIFEST).is_file():
+            # a resume continues the schedule its checkpoint recorded (optim/continuation.py; a branch has its own)
+            ckpt_dir = layout.ckpt_dir_of(self.plan.load_path)
+            self.model.resumed_schedule, self.model.resumed_from = Manifest.read(ckpt_dir).schedule, str(ckpt_dir)
         for callback in self.trainer.callbacks:
             if isinstance(callback, DownstreamEval):
                 callback.load_tasks()  # an unknown task: one line, before the logger writes the run directory

@@ -19,6 +19,7 @@ just those, e.g. `also: residual_scale deepnorm · branch_scale scalar (init 0) 
 from __future__ import annotations
 
 import logging
+import shlex
 from pathlib import Path
 from typing import Any
 
@@ -107,18 +108,21 @@ def with_norm_summary(callbacks: list[Callback], configured: list[Callback]) -> 
 def closing_lines(run_dir: str | Path, config_file: str | Path, step: int, max_steps: int) -> list[str]:
     """Where the run went and what comes next: evaluate its last checkpoint, continue it (`--ckpt_path last`,
     with a later `max_steps` once `step` reached it — a stopped run resumes as it is; the run's own config.yaml
-    holds every other option it was started with)."""
+    holds every other option it was started with). A longer run keeps the LR schedule it trained with and holds
+    its final LR for the added steps (`--optim.continuation hold`, training/optim/continuation.py): without it
+    the resume is refused rather than the LR jumping. Every path is shell-quoted, so a pasted line runs only the
+    command it shows, whatever the run's name holds."""
     run = Path(run_dir)
     ckpts = layout.complete_checkpoints(run)
     lines = [f"run directory: {run} (config.yaml, TensorBoard events)"]
     if ckpts:
         which = ckpts[0].name if len(ckpts) == 1 else f"{len(ckpts)}: {ckpts[0].name} … {ckpts[-1].name}"
         lines.append(f"checkpoints:   {layout.checkpoints_dir(run)}/ ({which})")
-    lines.append(f"curves:        tensorboard --logdir {run}")
+    lines.append(f"curves:        tensorboard --logdir {shlex.quote(str(run))}")
     if ckpts:
-        lines.append(f"evaluate:      normlab evaluate --checkpoint {ckpts[-1]}")
-    more = f" --trainer.max_steps {2 * max_steps}" if 0 < max_steps <= step else ""
-    lines.append(f"train on:      normlab fit -c {config_file} --ckpt_path last{more}")
+        lines.append(f"evaluate:      normlab evaluate --checkpoint {shlex.quote(str(ckpts[-1]))}")
+    more = f" --trainer.max_steps {2 * max_steps} --optim.continuation hold" if 0 < max_steps <= step else ""
+    lines.append(f"train on:      normlab fit -c {shlex.quote(str(config_file))} --ckpt_path last{more}")
     return lines
 
 

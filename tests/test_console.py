@@ -220,3 +220,24 @@ def test_the_summary_names_the_newer_axes_only_when_they_are_set():
     assert lines[3] == ("also: residual_scale deepnorm · branch_scale scalar (init 0) · attn_sink learnable · "
                         "dyt_alpha {'attn': 0.8, 'mlp': 0.2, 'final': 0.2}")
     assert "scalars 12" in lines[0]  # 4 branch scales and 2 × 4 sink logits, not counted as attention or MLP
+
+
+def test_several_processes_say_the_world_size_and_global_batch(tmp_path, caplog):
+    """`--trainer.devices 2` on a CPU trains two-process DDP: the start says so, with the tokens per step it makes
+    (here 2 ranks × 4 sequences × 2 micro-batches × 16 tokens); one process says nothing."""
+    import logging
+
+    from lightning.pytorch import Trainer
+
+    from data.datamodule import TokenDataModule
+    from training.callbacks.summary import log_world_line
+
+    data = TokenDataModule(path=str(tmp_path / "data"), seq_len=16, batch_size=4)
+    with caplog.at_level(logging.INFO, logger="training.callbacks.summary"):
+        for devices in (1, 2):
+            trainer = Trainer(accelerator="cpu", devices=devices, strategy="ddp" if devices > 1 else "auto",
+                              accumulate_grad_batches=2, logger=False, enable_progress_bar=False)
+            log_world_line(trainer, data)
+    lines = [r.getMessage() for r in caplog.records if r.name == "training.callbacks.summary"]
+    assert lines == ["world size 2 (1 node × 2 processes): global batch 16 sequences, 256 tokens per step "
+                     "(batch_size 4 × accumulate_grad_batches 2 × 2 ranks)"]

@@ -54,7 +54,8 @@ def test_a_callback_stopping_the_fit_saves_the_step_it_stopped_at(workdir, tmp_p
     out = run_normlab([*fit_args(workdir, "early"), "-c", str(tmp_path / "stop.yaml")], cwd=workdir)
     run = workdir / "runs" / "early"
     assert steps_saved(run) == ["step-00000004", "step-00000005"]
-    assert f"final checkpoint (step 5): {run / 'checkpoints' / 'step-00000005'}" in out.stderr
+    assert f"stop checkpoint (step 5): {run / 'checkpoints' / 'step-00000005'}" in out.stderr
+    assert "final checkpoint" not in out.stderr  # (8 steps asked for: not the end)
 
 
 def test_sigterm_mid_run_saves_then_resume_equals_the_straight_run(workdir, tmp_path):
@@ -72,7 +73,8 @@ def test_sigterm_mid_run_saves_then_resume_equals_the_straight_run(workdir, tmp_
     output = (tmp_path / "out.txt").read_text()
     stopped = workdir / "runs" / "stopped"
     assert "stopping after step 6 on SIGTERM" in output
-    assert f"final checkpoint (step 6): {stopped / 'checkpoints' / 'step-00000006'}" in output
+    assert f"stop checkpoint (step 6): {stopped / 'checkpoints' / 'step-00000006'}" in output
+    assert "resume with --ckpt_path last" in output and "final checkpoint" not in output
     assert steps_saved(stopped) == ["step-00000004", "step-00000006"]
     assert max(scalars(stopped, "train/loss")) == 6
 

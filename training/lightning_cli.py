@@ -44,7 +44,7 @@ from training.callbacks.downstream import DownstreamEval
 from training.callbacks.order import arrange
 from training.callbacks.progress import step_counting
 from training.callbacks.qk_clip import QKClip
-from training.callbacks.summary import log_closing_lines, with_norm_summary
+from training.callbacks.summary import log_closing_lines, log_world_line, with_norm_summary
 from training.checkpointing import branch, init_from, resume
 from training.checkpointing.plan import RunPlan, plan
 from training.checkpointing.safe import SafeCheckpointIO, safe_torch_load
@@ -331,6 +331,8 @@ class NormlabCLI(LightningCLI):
         for callback in self.trainer.callbacks:
             if isinstance(callback, DownstreamEval):
                 callback.load_tasks()  # an unknown task: one line, before the logger writes the run directory
+        if is_first_rank():
+            log_world_line(self.trainer, self.datamodule)  # several processes: the global batch they make
         start_wandb(self.trainer.loggers)  # last: every check above passed
 
     def after_fit(self) -> None:

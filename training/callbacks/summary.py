@@ -14,6 +14,8 @@ and, when any of the newer axes (the stream's scalars, depth-aware and per-subla
 weightless norms, QK-norm kinds, sub-norms, attention gates and sinks) differs from its default, one more line with
 just those, e.g. `also: residual_scale deepnorm · branch_scale scalar (init 0) · attn_sink learnable`.
 
+On several processes `world_line` says the world size and the global batch (tokens per step) in one line.
+
 `closing_lines` is the run's last word: where everything went and the commands that come next.
 """
 from __future__ import annotations
@@ -86,6 +88,25 @@ def more_axes_line(cfg: ModelConfig) -> list[str]:
     if isinstance(cfg.dyt_alpha, dict) and cfg.norm in ("dyt", "derf"):
         shown.append(f"dyt_alpha {cfg.dyt_alpha}")
     return [f"also: {' · '.join(shown)}"] if shown else []
+
+
+def world_line(world_size: int, num_nodes: int, batch_size: int, accumulate: int, seq_len: int) -> list[str]:
+    """On several processes, one line with the world size and the global batch each optimizer step takes: every
+    rank reads its own `batch_size` sequences per micro-batch, so `--trainer.devices 2` (two-process DDP, also on
+    a CPU) doubles the tokens per step — said once at the start, not left to be found in the curves."""
+    if world_size <= 1:
+        return []
+    sequences = world_size * batch_size * accumulate
+    return [f"world size {world_size} ({num_nodes} node{'s' if num_nodes > 1 else ''} × {world_size // num_nodes} "
+            f"processes): global batch {sequences} sequences, {sequences * seq_len} tokens per step (batch_size "
+            f"{batch_size} × accumulate_grad_batches {accumulate} × {world_size} ranks)"]
+
+
+def log_world_line(trainer: Trainer, datamodule: Any) -> None:
+    """`world_line` for this trainer and datamodule, on the first process only."""
+    for line in world_line(trainer.world_size, trainer.num_nodes, datamodule.batch_size,
+                           trainer.accumulate_grad_batches, datamodule.seq_len):
+        log.info(line)
 
 
 class NormSummary(ModelSummary):

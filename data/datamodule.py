@@ -22,6 +22,7 @@ directory's document index, ``data.layout.document_starts``); the model attends 
 from __future__ import annotations
 
 import logging
+import shlex
 from pathlib import Path
 from typing import Any
 
@@ -97,7 +98,8 @@ class TokenDataModule(L.LightningDataModule):
             if found is None:
                 raise DataError(
                     f"no prepared data at '{self.path}' (no {layout.META_FILE}); run `normlab prepare --input "
-                    f"<your corpus> --output {self.path}` first, or `normlab prepare --output {self.path}` for "
+                    f"<your corpus> --output {shlex.quote(str(self.path))}` first, or `normlab prepare --output "
+                    f"{shlex.quote(str(self.path))}` for "
                     "the default corpus"
                 )
             self._meta = found

@@ -136,7 +136,7 @@ def test_a_cooldown_branch_starts_from_the_parent_with_its_own_schedule(workdir,
     aside = parent.with_name(parent.name + ".aside")
     parent.rename(aside)
     try:
-        fit(workdir, "cool", *args, "--trainer.max_steps", "10")
+        fit(workdir, "cool", *args, "--trainer.max_steps", "10", "--optim.continuation", "hold")
     finally:
         aside.rename(parent)
     assert read_manifest(ckpt(cool, 10))["branched_from"] == record

@@ -80,6 +80,8 @@ CASES = {
                                                              "--name <new name>"]),
     "name_leaves_runs_dir": ("fit --name ../escaped", ["--name '../escaped'", "inside --runs_dir", "`..`"]),
     "absolute_name": ("fit --name {runs}/abs", ["/abs': a run's name is a path inside --runs_dir", "not absolute"]),
+    "name_too_long": ("fit --name lr/" + "x" * 300, ["300 bytes long", "at most 100"]),
+    "name_through_a_link_out": ("fit --name away/run", ["away is a link to", "elsewhere, outside --runs_dir"]),
     "missing_ckpt_path": ("fit --ckpt_path {runs}/no-such-step", ["no such checkpoint"]),
     "missing_branch_from": ("fit --name cool --branch_from {runs}/no-such-step",
                             ["--branch_from", "no-such-step: no such checkpoint", "step-XXXXXXXX"]),
@@ -127,6 +129,8 @@ def test_user_error_is_one_line(case, workdir, tmp_path, state_dict_file, capsys
     logged_run(runs)
     trunk_run(runs)
     (runs / "a-file").write_text("not a directory")
+    (tmp_path / "elsewhere").mkdir()
+    (runs / "away").symlink_to(tmp_path / "elsewhere", target_is_directory=True)  # a link out of --runs_dir
     before = files_under(tmp_path)
     code = main(argv_of(line, workdir, runs, state_dict_file))
     out, err = capsys.readouterr()

@@ -171,8 +171,27 @@ def test_closing_lines_continue_a_stopped_run_as_it_is(tmp_path):
     (ckpt / layout.MANIFEST).write_text('{"step": 100, "format": "lightning"}')
     stopped, finished = closing_lines(run, "c.yaml", 150, 300), closing_lines(run, "c.yaml", 300, 300)
     assert stopped[-1].endswith("normlab fit -c c.yaml --ckpt_path last")
-    assert finished[-1].endswith("--ckpt_path last --trainer.max_steps 600")
+    assert finished[-1].endswith("--ckpt_path last --trainer.max_steps 600 --optim.continuation hold")
     assert f"normlab evaluate --checkpoint {ckpt}" in stopped[-2]
+
+
+def test_closing_lines_quote_every_path_they_print(tmp_path):
+    """A run name with `$(…)`, `;` or spaces is printed so that pasting the line runs only the command it shows."""
+    import shlex
+
+    from training.callbacks.summary import closing_lines
+    from training.run import layout
+
+    run = tmp_path / "a b;$(touch x)"
+    ckpt = layout.checkpoints_dir(run) / layout.step_dirname(4)
+    ckpt.mkdir(parents=True)
+    (ckpt / layout.MANIFEST).write_text('{"step": 4, "format": "lightning"}')
+    lines = closing_lines(run, run / "config.yaml", 4, 4)
+    commands = {line.split(":", 1)[0]: shlex.split(line.split(":", 1)[1]) for line in lines[2:]}
+    assert commands["curves"] == ["tensorboard", "--logdir", str(run)]
+    assert commands["evaluate"] == ["normlab", "evaluate", "--checkpoint", str(ckpt)]
+    assert commands["train on"] == ["normlab", "fit", "-c", str(run / "config.yaml"), "--ckpt_path", "last",
+                                    "--trainer.max_steps", "8", "--optim.continuation", "hold"]
 
 
 # ModelConfig fields the summary's first three lines cover, and those it leaves to config.yaml. With MORE_AXES
@@ -201,3 +220,24 @@ def test_the_summary_names_the_newer_axes_only_when_they_are_set():
     assert lines[3] == ("also: residual_scale deepnorm · branch_scale scalar (init 0) · attn_sink learnable · "
                         "dyt_alpha {'attn': 0.8, 'mlp': 0.2, 'final': 0.2}")
     assert "scalars 12" in lines[0]  # 4 branch scales and 2 × 4 sink logits, not counted as attention or MLP
+
+
+def test_several_processes_say_the_world_size_and_global_batch(tmp_path, caplog):
+    """`--trainer.devices 2` on a CPU trains two-process DDP: the start says so, with the tokens per step it makes
+    (here 2 ranks × 4 sequences × 2 micro-batches × 16 tokens); one process says nothing."""
+    import logging
+
+    from lightning.pytorch import Trainer
+
+    from data.datamodule import TokenDataModule
+    from training.callbacks.summary import log_world_line
+
+    data = TokenDataModule(path=str(tmp_path / "data"), seq_len=16, batch_size=4)
+    with caplog.at_level(logging.INFO, logger="training.callbacks.summary"):
+        for devices in (1, 2):
+            trainer = Trainer(accelerator="cpu", devices=devices, strategy="ddp" if devices > 1 else "auto",
+                              accumulate_grad_batches=2, logger=False, enable_progress_bar=False)
+            log_world_line(trainer, data)
+    lines = [r.getMessage() for r in caplog.records if r.name == "training.callbacks.summary"]
+    assert lines == ["world size 2 (1 node × 2 processes): global batch 16 sequences, 256 tokens per step "
+                     "(batch_size 4 × accumulate_grad_batches 2 × 2 ranks)"]

@@ -3,6 +3,7 @@ SIGTERM (a real signal to a real `normlab fit` process), from which the resumed 
 from __future__ import annotations
 
 import json
+import shlex
 from pathlib import Path
 
 import pytest
@@ -35,6 +36,16 @@ def test_max_steps_off_the_interval_saves_the_last_step_once(workdir):
     # Resuming a finished run trains nothing and saves nothing: step 6 exists already.
     again = run_normlab(fit_args(workdir, "six", "--trainer.max_steps", "6", "--ckpt_path", "last"), cwd=workdir)
     assert steps_saved(run) == ["step-00000004", "step-00000006"] and "final checkpoint" not in again.stderr
+    # The closing advice, run as printed, trains on to 12 steps with the schedule the run had: its 6-step cosine,
+    # then the LR it ended with (optim.min_lr), not a schedule recomputed over 12 steps (a jump back up).
+    advice = next(line for line in out.stderr.splitlines() if "train on:" in line).split("train on:", 1)[1]
+    assert shlex.split(advice)[:2] == ["normlab", "fit"] and "--optim.continuation hold" in advice
+    before = scalars(run, "train/lr")
+    run_normlab(shlex.split(advice)[1:], cwd=workdir)
+    lrs = scalars(run, "train/lr")
+    assert max(lrs) == 12 and all(lrs[s] == before[s] for s in before)
+    assert all(lrs[s] == pytest.approx(1e-4) for s in range(7, 13))  # optim.min_lr: the cosine's end
+    assert json.loads((run / "checkpoints" / "step-00000012" / "manifest.json").read_text())["schedule"]["steps"] == 6
 
 
 def test_a_callback_stopping_the_fit_saves_the_step_it_stopped_at(workdir, tmp_path):
@@ -43,7 +54,8 @@ def test_a_callback_stopping_the_fit_saves_the_step_it_stopped_at(workdir, tmp_p
     out = run_normlab([*fit_args(workdir, "early"), "-c", str(tmp_path / "stop.yaml")], cwd=workdir)
     run = workdir / "runs" / "early"
     assert steps_saved(run) == ["step-00000004", "step-00000005"]
-    assert f"final checkpoint (step 5): {run / 'checkpoints' / 'step-00000005'}" in out.stderr
+    assert f"stop checkpoint (step 5): {run / 'checkpoints' / 'step-00000005'}" in out.stderr
+    assert "final checkpoint" not in out.stderr  # (8 steps asked for: not the end)
 
 
 def test_sigterm_mid_run_saves_then_resume_equals_the_straight_run(workdir, tmp_path):
@@ -61,7 +73,8 @@ def test_sigterm_mid_run_saves_then_resume_equals_the_straight_run(workdir, tmp_
     output = (tmp_path / "out.txt").read_text()
     stopped = workdir / "runs" / "stopped"
     assert "stopping after step 6 on SIGTERM" in output
-    assert f"final checkpoint (step 6): {stopped / 'checkpoints' / 'step-00000006'}" in output
+    assert f"stop checkpoint (step 6): {stopped / 'checkpoints' / 'step-00000006'}" in output
+    assert "resume with --ckpt_path last" in output and "final checkpoint" not in output
     assert steps_saved(stopped) == ["step-00000004", "step-00000006"]
     assert max(scalars(stopped, "train/loss")) == 6
 

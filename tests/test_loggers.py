@@ -32,7 +32,7 @@ def run(workdir: Path) -> Path:
     fit(workdir, 2)
     run_dir = workdir / "runs" / "logged"
     first = json.loads((run_dir / "loggers.json").read_text())
-    fit(workdir, 4, "--ckpt_path", "last")
+    fit(workdir, 4, "--ckpt_path", "last", "--optim.continuation", "hold")  # trains on past its 2 steps
     assert json.loads((run_dir / "loggers.json").read_text()) == first  # the resume kept both runs
     return run_dir
 

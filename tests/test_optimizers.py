@@ -169,5 +169,6 @@ def test_a_checkpoint_recording_the_flat_muon_keys_resumes_by_file(workdir):
         torch.save(state, ckpt / "model.ckpt")
         manifest = Manifest.read(ckpt)
         dataclasses.replace(manifest, files=file_sizes(ckpt), sha256=hash_files(ckpt)).write(ckpt)
-        main([*fit, "--name", "old", "--trainer.max_steps", "4", "--ckpt_path", str(ckpt / "model.ckpt")])
+        main([*fit, "--name", "old", "--trainer.max_steps", "4", "--optim.continuation", "hold", "--ckpt_path",
+              str(ckpt / "model.ckpt")])
     assert (workdir / "runs" / "old" / "checkpoints" / "step-00000004" / "manifest.json").is_file()

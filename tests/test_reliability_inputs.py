@@ -135,7 +135,7 @@ def test_disk_full_during_save(workdir, fault):
                                                        ["step-00000002"])
     if manifest:
         assert (ckpts / "incomplete" / "step-00000004" / "model.ckpt").is_file()
-    fit(workdir, name, "--ckpt_path", "last", "--trainer.max_steps", "4")
+    fit(workdir, name, "--ckpt_path", "last", "--trainer.max_steps", "4", "--optim.continuation", "hold")
     assert read_manifest(ckpts / "step-00000004")["step"] == 4
 
 

@@ -16,6 +16,8 @@ from training.callbacks.step_checkpoint import StepCheckpoint
 from training.checkpointing import init_from
 from training.checkpointing.save import RunRecord
 from training.lit_module import LitLM
+from training.optim import OptimConfig
+from training.optim.continuation import schedule_record
 from training.run import layout
 from training.run.manifest import git_revision
 
@@ -51,6 +53,8 @@ def test_a_step_checkpoint_records_what_it_was_built_with(built):
     assert manifest["branched_from"] == record.branched_from and manifest["init_from"] == record.init_from
     assert (ckpt / layout.CONFIG_FILE).read_text() == record.resolved_config
     assert manifest["git_revision"] == git_revision()  # this checkout's, taken at setup
+    # the LR schedule it trained with (the default optim over max_steps 2), which a resume continues
+    assert manifest["schedule"] == {**schedule_record(OptimConfig(), 2), "steps": 2}
 
 
 class FirstWeights(Callback):

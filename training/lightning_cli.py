@@ -44,7 +44,7 @@ from training.callbacks.downstream import DownstreamEval
 from training.callbacks.order import arrange
 from training.callbacks.progress import step_counting
 from training.callbacks.qk_clip import QKClip
-from training.callbacks.summary import log_closing_lines, with_norm_summary
+from training.callbacks.summary import log_closing_lines, log_world_line, with_norm_summary
 from training.checkpointing import branch, init_from, resume
 from training.checkpointing.plan import RunPlan, plan
 from training.checkpointing.safe import SafeCheckpointIO, safe_torch_load
@@ -77,12 +77,28 @@ def run_dir(runs_dir: str, name: str) -> str:
     return str(Path(runs_dir) / name)
 
 
-def check_name(name: str) -> None:
-    """`--name` is a path inside `--runs_dir`: not absolute, no `..`, not empty."""
+# A run name's longest path component: the run directory's name must leave room under the file systems' 255-byte
+# limit (NAME_MAX), and the tools that show it (TensorBoard, trackers) cut long names anyway.
+MAX_NAME_PART = 100
+
+
+def check_name(name: str, runs_dir: str | Path = ".") -> None:
+    """`--name` is a path inside `--runs_dir`: not absolute, no `..`, not empty, no component longer than
+    MAX_NAME_PART, and — a link inside `--runs_dir` followed — still inside it, so no run writes elsewhere."""
     path = Path(name)
     if path.is_absolute() or ".." in path.parts or not path.parts:
         raise UserError(f"--name {name!r}: a run's name is a path inside --runs_dir (e.g. `base`, `lr/s0`), not "
                         "absolute, without `..` and not empty; choose where runs go with --runs_dir")
+    long = next((part for part in path.parts if len(part.encode()) > MAX_NAME_PART), None)
+    if long is not None:
+        raise UserError(f"--name {name[:40]!r}…: the component {long[:20]!r}… is {len(long.encode())} bytes long; "
+                        f"keep each part of a run's name to at most {MAX_NAME_PART} (e.g. `lr3e-3/s0`)")
+    root = Path(runs_dir).resolve()
+    if not Path(runs_dir, name).resolve().is_relative_to(root):
+        link = next(p for p in (Path(runs_dir, *path.parts[:i + 1]) for i in range(len(path.parts)))
+                    if p.is_symlink())
+        raise UserError(f"--name {name!r}: {link} is a link to {link.resolve()}, outside --runs_dir {root}; a run "
+                        "writes only inside --runs_dir: remove the link, or give its target as --runs_dir")
 
 
 class NormlabCLI(LightningCLI):
@@ -173,7 +189,7 @@ class NormlabCLI(LightningCLI):
         # (training/checkpointing/plan.py); the hooks below only apply the plan.
         config = self.config[self.subcommand]
         cli_checks.check_trainer(self.subcommand, config.trainer, config.optim, warn=is_first_rank())
-        check_name(config.name)
+        check_name(config.name, config.runs_dir)
         root = config.trainer.default_root_dir
         if is_first_rank():  # one writer per run directory (training/run/lock.py), before anything reads it
             self.lock = acquire(root, f"normlab {self.subcommand}")
@@ -308,9 +324,15 @@ class NormlabCLI(LightningCLI):
             self.trainer.strategy.resume_from(self.plan.load_path)  # (another world size: the universal format)
         if self.plan.parent is not None:
             self._check_branch(self.plan.parent)
+        elif self.plan.load_path and (layout.ckpt_dir_of(self.plan.load_path) / layout.MANIFEST).is_file():
+            # a resume continues the schedule its checkpoint recorded (optim/continuation.py; a branch has its own)
+            ckpt_dir = layout.ckpt_dir_of(self.plan.load_path)
+            self.model.resumed_schedule, self.model.resumed_from = Manifest.read(ckpt_dir).schedule, str(ckpt_dir)
         for callback in self.trainer.callbacks:
             if isinstance(callback, DownstreamEval):
                 callback.load_tasks()  # an unknown task: one line, before the logger writes the run directory
+        if is_first_rank():
+            log_world_line(self.trainer, self.datamodule)  # several processes: the global batch they make
         start_wandb(self.trainer.loggers)  # last: every check above passed
 
     def after_fit(self) -> None:

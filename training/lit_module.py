@@ -31,6 +31,7 @@ from training.errors import UserError
 from training.eval.metrics import LossTotals, batch_loss, mixture, split_batch, tags
 from training.loggers import log_scalars
 from training.optim import OptimConfig, build_optimizer, check_group_names, param_groups, qk_clip
+from training.optim.continuation import continue_schedule, schedule_record
 
 
 def model_fields(init: Callable) -> Callable:
@@ -74,6 +75,9 @@ class LitLM(LightningModule):
         self.save_hyperparameters(ignore=["optim"])
         self.hparams["optim"] = dataclasses.asdict(self.optim)
         self.model: Transformer | None = None
+        self.resumed_schedule: dict[str, Any] | None = None  # the resumed checkpoint's schedule record, if any
+        self.resumed_from = "the resumed checkpoint"  # its path, for the messages
+        self.schedule_record: dict[str, Any] | None = None  # the schedule configure_optimizers built
         self._micro_losses: list[Tensor] = []  # this update's micro-batch losses so far
         self._val_sets: list[Any] = []  # this validation's sets (the datamodule's `val_sets_order`)
         self._eval_totals: list[LossTotals] = []  # one accumulator per set
@@ -215,7 +219,11 @@ class LitLM(LightningModule):
         if refusal and is_deepspeed(self.trainer.strategy):
             raise UserError(f"optim.name={self.optim.name} does not run under DeepSpeed: {refusal}; use "
                             "--trainer.strategy fsdp2 (sharded), ddp or auto (or optim.name=adamw with DeepSpeed)")
-        optimizer, schedule = build_optimizer(self.model, self.optim, self.trainer.estimated_stepping_batches)
+        # A resume continues its checkpoint's schedule as optim.continuation says (the record: `normlab fit`)
+        optim, total = continue_schedule(self.resumed_schedule, self.optim,
+                                         self.trainer.estimated_stepping_batches, self.resumed_from)
+        self.schedule_record = schedule_record(optim, total)  # recorded in each checkpoint's manifest
+        optimizer, schedule = build_optimizer(self.model, optim, total)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:

@@ -97,8 +97,18 @@ class StepCheckpoint(Callback):
             self._announce(self.save(trainer, pl_module), trainer)
 
     def _announce(self, path: Path, trainer: Trainer) -> None:
-        if trainer.is_global_zero:
-            log.info("final checkpoint (step %d): %s — continue with --ckpt_path last", trainer.global_step, path)
+        """Name the checkpoint a fit ended with: "final" only for a run that finished (max_steps reached, or its
+        epochs run out), "stop" for one a signal or a callback stopped early — which resumes as it is."""
+        if not trainer.is_global_zero:
+            return
+        step = trainer.global_step
+        # (a signal's stop lowers the trainer's max_steps to this step: its decision decides, not max_steps)
+        signalled = self._stop is not None and self._stop.decision.stop
+        stopped = signalled or (trainer.should_stop and not 0 < trainer.max_steps <= step)
+        if stopped:
+            log.info("stop checkpoint (step %d): %s — stopped before the end; resume with --ckpt_path last", step, path)
+        else:
+            log.info("final checkpoint (step %d): %s — continue with --ckpt_path last", step, path)
 
     def save(self, trainer: Trainer, pl_module: LightningModule) -> Path:
         """Save this step (every rank: a collective), then remove checkpoints beyond `keep_last_n`."""

@@ -14,11 +14,14 @@ and, when any of the newer axes (the stream's scalars, depth-aware and per-subla
 weightless norms, QK-norm kinds, sub-norms, attention gates and sinks) differs from its default, one more line with
 just those, e.g. `also: residual_scale deepnorm · branch_scale scalar (init 0) · attn_sink learnable`.
 
+On several processes `world_line` says the world size and the global batch (tokens per step) in one line.
+
 `closing_lines` is the run's last word: where everything went and the commands that come next.
 """
 from __future__ import annotations
 
 import logging
+import shlex
 from pathlib import Path
 from typing import Any
 
@@ -87,6 +90,25 @@ def more_axes_line(cfg: ModelConfig) -> list[str]:
     return [f"also: {' · '.join(shown)}"] if shown else []
 
 
+def world_line(world_size: int, num_nodes: int, batch_size: int, accumulate: int, seq_len: int) -> list[str]:
+    """On several processes, one line with the world size and the global batch each optimizer step takes: every
+    rank reads its own `batch_size` sequences per micro-batch, so `--trainer.devices 2` (two-process DDP, also on
+    a CPU) doubles the tokens per step — said once at the start, not left to be found in the curves."""
+    if world_size <= 1:
+        return []
+    sequences = world_size * batch_size * accumulate
+    return [f"world size {world_size} ({num_nodes} node{'s' if num_nodes > 1 else ''} × {world_size // num_nodes} "
+            f"processes): global batch {sequences} sequences, {sequences * seq_len} tokens per step (batch_size "
+            f"{batch_size} × accumulate_grad_batches {accumulate} × {world_size} ranks)"]
+
+
+def log_world_line(trainer: Trainer, datamodule: Any) -> None:
+    """`world_line` for this trainer and datamodule, on the first process only."""
+    for line in world_line(trainer.world_size, trainer.num_nodes, datamodule.batch_size,
+                           trainer.accumulate_grad_batches, datamodule.seq_len):
+        log.info(line)
+
+
 class NormSummary(ModelSummary):
     """The model summary above, on rank 0 as `fit` starts (Lightning's summary hook)."""
 
@@ -107,18 +129,21 @@ def with_norm_summary(callbacks: list[Callback], configured: list[Callback]) -> 
 def closing_lines(run_dir: str | Path, config_file: str | Path, step: int, max_steps: int) -> list[str]:
     """Where the run went and what comes next: evaluate its last checkpoint, continue it (`--ckpt_path last`,
     with a later `max_steps` once `step` reached it — a stopped run resumes as it is; the run's own config.yaml
-    holds every other option it was started with)."""
+    holds every other option it was started with). A longer run keeps the LR schedule it trained with and holds
+    its final LR for the added steps (`--optim.continuation hold`, training/optim/continuation.py): without it
+    the resume is refused rather than the LR jumping. Every path is shell-quoted, so a pasted line runs only the
+    command it shows, whatever the run's name holds."""
     run = Path(run_dir)
     ckpts = layout.complete_checkpoints(run)
     lines = [f"run directory: {run} (config.yaml, TensorBoard events)"]
     if ckpts:
         which = ckpts[0].name if len(ckpts) == 1 else f"{len(ckpts)}: {ckpts[0].name} … {ckpts[-1].name}"
         lines.append(f"checkpoints:   {layout.checkpoints_dir(run)}/ ({which})")
-    lines.append(f"curves:        tensorboard --logdir {run}")
+    lines.append(f"curves:        tensorboard --logdir {shlex.quote(str(run))}")
     if ckpts:
-        lines.append(f"evaluate:      normlab evaluate --checkpoint {ckpts[-1]}")
-    more = f" --trainer.max_steps {2 * max_steps}" if 0 < max_steps <= step else ""
-    lines.append(f"train on:      normlab fit -c {config_file} --ckpt_path last{more}")
+        lines.append(f"evaluate:      normlab evaluate --checkpoint {shlex.quote(str(ckpts[-1]))}")
+    more = f" --trainer.max_steps {2 * max_steps} --optim.continuation hold" if 0 < max_steps <= step else ""
+    lines.append(f"train on:      normlab fit -c {shlex.quote(str(config_file))} --ckpt_path last{more}")
     return lines
 
 

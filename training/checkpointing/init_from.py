@@ -25,6 +25,7 @@ import functools
 import hashlib
 import json
 import logging
+import shlex
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -175,7 +176,7 @@ def check_tokenizer(source: Source, data_tokenizer: Path, data_sha256: str) -> N
                         "tokenizer beside its weights")
     theirs = ", ".join(f"{source.path / n if n != 'manifest' else 'its run'} (sha256 {h[:12]}…)"
                        for n, h in source.tokenizer_hashes.items())
-    fix = f"normlab prepare --tokenizer {source.path / next(iter(source.tokenizer_hashes))} ..." \
+    fix = f"normlab prepare --tokenizer {shlex.quote(str(source.path / next(iter(source.tokenizer_hashes))))} ..." \
         if source.kind != "checkpoint" else "train on that run's --data.path (or data prepared with its tokenizer)"
     raise UserError(f"--init_from {source.path}: its tokenizer {theirs} is not the prepared data's {data_tokenizer} "
                     f"(sha256 {data_sha256[:12]}…); prepare the data with the model's tokenizer: {fix}")

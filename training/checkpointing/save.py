@@ -250,6 +250,7 @@ def _write_sidecars(ckpt_dir: Path, trainer: Trainer, pl_module: LightningModule
         time=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         branched_from=record.branched_from,
         init_from=record.init_from,
+        schedule=getattr(pl_module, "schedule_record", None),  # what a resume continues (optim/continuation.py)
         # checked before a resume or a load (see verify_files); shards were hashed by the ranks that wrote them
         files=file_sizes(ckpt_dir),
         sha256=hash_files(ckpt_dir, digests),

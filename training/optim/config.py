@@ -22,6 +22,9 @@ from typing import Any
 from training.optim.registry import Optimizer, lookup
 
 SCHEDULES = ("cosine", "linear", "constant", "wsd")
+# A resume whose schedule length or fields changed since the checkpoint (continuation.py): refuse it, hold the
+# checkpoint's schedule (then its final LR), or recompute the schedule over the new settings.
+CONTINUATIONS = ("refuse", "hold", "recompute")
 DECAY_SHAPES = ("linear", "cosine", "1-sqrt")
 # norm: gains (and LayerNorm's / DyT's β, Derf's shift); dyt_alpha: DyT's and Derf's scalar α; branch_scale: the
 # learnable g on each sublayer's update (ReZero, LayerScale); attn_sink: the sink logits; qk_temperature: an l2
@@ -96,7 +99,10 @@ class OptimConfig:
 
     `qk_clip`: MuonClip's τ (Kimi K2): after every optimizer step, each attention head whose largest pre-softmax
     logit in the step's forward exceeded τ has its query and key rows scaled back to τ (qk_clip.py; with any
-    optimizer)."""
+    optimizer).
+
+    `continuation`: what a resume does when the schedule's length or fields differ from the checkpoint's — refuse
+    (the default), hold the checkpoint's schedule, or recompute it over the new settings (continuation.py)."""
 
     lr: float = 1e-3
     min_lr: float = 1e-4
@@ -114,10 +120,14 @@ class OptimConfig:
     name: str = "adamw"  # adamw | muon (registry.py)
     options: dict[str, Any] = field(default_factory=dict)  # the chosen optimizer's own settings
     qk_clip: float | None = None  # τ: after each step, heads whose max logit exceeded τ are scaled back (qk_clip.py)
+    continuation: str = "refuse"  # a resume whose schedule changed: refuse | hold | recompute (continuation.py)
 
     def __post_init__(self) -> None:
         if self.schedule not in SCHEDULES:
             raise ValueError(f"optim.schedule={self.schedule!r} is not valid; choose one of {list(SCHEDULES)}")
+        if self.continuation not in CONTINUATIONS:
+            raise ValueError(f"optim.continuation={self.continuation!r} is not valid; choose one of "
+                             f"{list(CONTINUATIONS)}")
         if self.decay_shape not in DECAY_SHAPES:
             raise ValueError(f"optim.decay_shape={self.decay_shape!r} is not valid; choose one of {list(DECAY_SHAPES)}")
         if not 0 < self.decay_fraction <= 1:

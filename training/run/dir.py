@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+import shlex
 import socket
 from collections.abc import Callable, Iterable
 from functools import cached_property
@@ -282,7 +283,8 @@ class RunDir:
 
     def eval_results(self, name: str) -> list[dict[str, Any]]:
         """Every step file of `name`, in step order."""
-        fix = f"delete it and run `normlab evaluate --checkpoint {self.path}` again to rescore that step"
+        fix = (f"delete it and run `normlab evaluate --checkpoint {shlex.quote(str(self.path))}` again to rescore "
+               "that step")
         return [read_json(p, fix) for p in sorted((self.eval_dir / name).glob("step-*.json"))]
 
     # -- finished? ----------------------------------------------------------------------------------------------

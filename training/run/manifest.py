@@ -60,6 +60,7 @@ class Manifest:
     time: str | None = None
     branched_from: dict[str, Any] | None = None  # a cooldown branch's parent (training/checkpointing/branch.py)
     init_from: dict[str, Any] | None = None  # the weights a run started from (training/checkpointing/init_from.py)
+    schedule: dict[str, Any] | None = None  # the LR schedule trained with (training/optim/continuation.py)
     files: dict[str, int] = field(default_factory=dict)  # {relative path: bytes}
     sha256: dict[str, str] = field(default_factory=dict)  # {relative path: hex digest}
     extra: dict[str, Any] = field(default_factory=dict)  # keys written by a newer normlab, kept as they are
@@ -82,7 +83,7 @@ class Manifest:
 
     def to_dict(self) -> dict[str, Any]:
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "extra"}
-        for optional in ("branched_from", "init_from"):  # only a branch / a run started from weights has one
+        for optional in ("branched_from", "init_from", "schedule"):  # a branch, a run started from weights; not old
             if out[optional] is None:
                 del out[optional]
         return {**out, **self.extra}

@@ -201,7 +201,8 @@ def test_depth_profile_figure_draws_this_step_beside_step_0():
 
 def test_a_short_fit_logs_the_telemetry_the_outliers_layout_and_the_depth_profile(tmp_path):
     """A real Lightning fit with the TensorBoard logger: the new tags, the "Outliers" dashboard and one
-    depth-profile image per metrics step are in the events; step 0's profile goes into the checkpoint."""
+    depth-profile image per metrics step — every 2 and the last (step 3 of 4) — are in the events; step 0's
+    profile goes into the checkpoint."""
     from lightning.pytorch import Trainer
     from lightning.pytorch.loggers import TensorBoardLogger
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -214,10 +215,10 @@ def test_a_short_fit_logs_the_telemetry_the_outliers_layout_and_the_depth_profil
     torch.manual_seed(0)
     lit = LitLM(vocab_size=64, dim=32, n_layers=2, n_heads=4, max_seq_len=8, qk_norm="head")
     health = TrainingHealth(every_n_steps=2)
-    trainer = Trainer(accelerator="cpu", max_steps=3, logger=TensorBoardLogger(tmp_path, name="tb"),
+    trainer = Trainer(accelerator="cpu", max_steps=4, logger=TensorBoardLogger(tmp_path, name="tb"),
                       log_every_n_steps=1, callbacks=[health], enable_checkpointing=False,
                       enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path)
-    trainer.fit(lit, DataLoader(torch.randint(0, 64, (6, 9)), batch_size=2))
+    trainer.fit(lit, DataLoader(torch.randint(0, 64, (8, 9)), batch_size=2))
     acc = EventAccumulator(trainer.logger.log_dir, size_guidance={"scalars": 0, "tensors": 0, "images": 0})
     acc.Reload()
     tags = set(acc.Tags()["scalars"])
@@ -227,9 +228,10 @@ def test_a_short_fit_logs_the_telemetry_the_outliers_layout_and_the_depth_profil
              for l in range(2)}
     want |= {"outlier/max_over_rms/final_in", "outlier/kurtosis/final_in", "norm/gain_mean/final"}
     assert want <= tags, sorted(want - tags)
-    assert [e.step for e in acc.Scalars("attn/sink_mass/L1")] == [0, 2]
+    for tag in ("attn/sink_mass/L1", "grad/norm/L0", "optim/update_ratio/mlp/L1"):
+        assert [e.step for e in acc.Scalars(tag)] == [0, 2, 3], tag
     images = acc.Images(PROFILE_TAG)
-    assert [e.step for e in images] == [0, 2] and images[0].width >= 600 and images[0].height >= 150
+    assert [e.step for e in images] == [0, 2, 3] and images[0].width >= 600 and images[0].height >= 150
     layout = layout_pb2.Layout.FromString(acc.Tensors("custom_scalars__config__")[0].tensor_proto.string_val[0])
     outliers = next(c for c in layout.category if c.title == "Outliers")
     regexes = [chart.multiline.tag[0] for chart in outliers.chart]

@@ -1,6 +1,7 @@
 """Training-health metrics in TensorBoard: residual growth, softmax saturation, gradient flow.
 
-Every `every_n_steps` optimizer steps, and at step 0 (an init audit), the first micro-batch of the step runs
+Every `every_n_steps` optimizer steps, at step 0 (an init audit) and on the run's last update (the state it ends
+in, which a multiple of `every_n_steps` rarely is), the first micro-batch of the step runs
 with the probes' forward hooks attached (`model.probes.record`: residual-stream RMS and update ratios per layer,
 softmax statistics from sampled query rows; the training forward itself is unchanged), and after its backward
 the per-layer gradient norms are read — correctly under
@@ -117,6 +118,11 @@ class TrainingHealth(Callback):
     def _due(self, step: int, every: int) -> bool:
         return every > 0 and step % every == 0
 
+    def _metrics_step(self, trainer: Trainer, step: int) -> bool:
+        """Whether update `step` (0-based) is probed: every `every_n_steps`, and the last of `max_steps`."""
+        last = trainer.max_steps is not None and step == trainer.max_steps - 1
+        return self.every_n_steps > 0 and (step % self.every_n_steps == 0 or last)
+
     # -- layout ------------------------------------------------------------------------------------------
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         writer = self._writer(trainer)
@@ -127,7 +133,7 @@ class TrainingHealth(Callback):
     # -- probes around the first micro-batch of a metrics step ---------------------------------------------
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         first_micro = batch_idx % trainer.accumulate_grad_batches == 0
-        if first_micro and self._due(trainer.global_step, self.every_n_steps):
+        if first_micro and self._metrics_step(trainer, trainer.global_step):
             self._probe = record(pl_module.model, attn_rows=self.attn_rows, saturation_threshold=self.threshold)
             self._values = {}
             self._recorder = self._probe.__enter__()
@@ -144,7 +150,7 @@ class TrainingHealth(Callback):
 
     def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Any) -> None:
         step = trainer.global_step
-        if not self._due(step, self.every_n_steps):
+        if not self._metrics_step(trainer, step):
             return
         model, deepspeed = pl_module.model, is_deepspeed(trainer.strategy)
         # DeepSpeed accumulates gradients itself, so Lightning calls this every micro-batch; the reduced

@@ -15,6 +15,7 @@ from model.norms import NORMS
 from model.probes import gain_tags, norm_gains, record, sink_mass, stream_outliers
 from model.rope import rope_cos_sin
 from tests.test_model_structure import FORMULAS
+from training import health_tags as T
 from training.callbacks import depth_profile
 
 
@@ -232,14 +233,17 @@ def test_a_short_fit_logs_the_telemetry_the_outliers_layout_and_the_depth_profil
         assert [e.step for e in acc.Scalars(tag)] == [0, 2, 3], tag
     images = acc.Images(PROFILE_TAG)
     assert [e.step for e in images] == [0, 2, 3] and images[0].width >= 600 and images[0].height >= 150
-    layout = layout_pb2.Layout.FromString(acc.Tensors("custom_scalars__config__")[0].tensor_proto.string_val[0])
-    outliers = next(c for c in layout.category if c.title == "Outliers")
-    regexes = [chart.multiline.tag[0] for chart in outliers.chart]
-    assert all(any(re.fullmatch(r, t) for t in tags) for r in regexes), regexes  # every chart has data
-    from training.callbacks.health import layout
+    saved = layout_pb2.Layout.FromString(acc.Tensors("custom_scalars__config__")[0].tensor_proto.string_val[0])
+    assert [c.title for c in saved.category] == ["Residual growth", "Softmax saturation", "Gradient flow",
+                                                 "Outliers", "Stability"]
+    regexes = [chart.multiline.tag[0] for category in saved.category for chart in category.chart]
+    assert [r for r in regexes if not any(re.fullmatch(r, t) for t in tags)] == []  # every chart has data
+    assert rf"{T.QK_GAIN}/(q|k)/mean/L\d+" in regexes  # (this model has QK-norm gains)
+    from training.callbacks.health import RunCharts, layout
 
-    sunk = [*layout(lit.config.replace(attn_sink="learnable", attn_gate="head"))["Outliers"]]
-    assert len(sunk) == len(regexes) + 2 and "explicit sink's share (attn_sink)" in sunk
+    sunk = [*layout(RunCharts(Transformer(lit.config.replace(attn_sink="learnable", attn_gate="head"))))["Outliers"]]
+    outliers = next(c for c in saved.category if c.title == "Outliers")
+    assert len(sunk) == len(outliers.chart) + 2 and any(t.startswith("explicit sink's share") for t in sunk)
 
     trainer.save_checkpoint(tmp_path / "last.ckpt")
     state = torch.load(tmp_path / "last.ckpt", weights_only=True)["callbacks"]["TrainingHealth"]

@@ -242,6 +242,9 @@ def test_health_metrics_and_layout_in_tensorboard(zero2):
     layout = layout_pb2.Layout.FromString(acc.Tensors("custom_scalars__config__")[0].tensor_proto.string_val[0])
     assert [c.title for c in layout.category] == ["Residual growth", "Softmax saturation", "Gradient flow",
                                                   "Outliers", "Stability"]
+    titles = [chart.title for category in layout.category for chart in category.chart]
+    assert "skipped steps (guard): empty until a step is skipped" in titles  # DeepSpeed's own skips count there
+    assert not any(t.startswith("QK-norm gains") for t in titles)  # (tiny.yaml's model has no QK-norm)
     assert [e.step for e in acc.Images("profile/depth")] == [0, 7]  # the depth profile, on the metrics steps
 
 

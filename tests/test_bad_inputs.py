@@ -54,6 +54,8 @@ ROWS: dict[str, tuple[str, list[str]]] = {
     "endless_schedule": (f"{FIT} --trainer.max_steps -1 --trainer.max_epochs -1",
                          ["never ends", "--optim.decay_steps"]),
     "every_n_steps_negative": (f"{FIT} --checkpoint.every_n_steps -2", ["checkpoint.every_n_steps=-2 must be >= 0"]),
+    "console_every_n_steps_negative": (f"{FIT} --console.every_n_steps -1",
+                                       ["console.every_n_steps=-1 must be >= 0"]),
     "min_lr_above_lr": (f"{FIT} --optim.min_lr 0.5", ["0 <= min_lr <= lr", "min_lr=0.5"]),
     "devices_zero": (f"{FIT} --trainer.devices 0", ["devices"]),
     # fit: files and paths

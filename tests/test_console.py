@@ -64,13 +64,37 @@ def fit_args(workdir: Path, name: str, *extra: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def plain_fit(workdir, srun_dir) -> tuple[Path, str]:
-    return workdir / "runs" / "plain", console(fit_args(workdir, "plain"), workdir, srun_dir)
+    # (train-loss lines every 4 updates: the default 20 prints none in tiny.yaml's 8)
+    return workdir / "runs" / "plain", console(fit_args(workdir, "plain", "--console.every_n_steps", "4"), workdir,
+                                               srun_dir)
 
 
 def test_fit_prints_only_normlab_lines(plain_fit):
     _, output = plain_fit
     assert stray_lines(output) == [], output
     assert any(PROGRESS_BAR.match(line) for line in output.splitlines()), output  # the bar was on
+
+
+LOSS_LINE = re.compile(r"\[\d\d:\d\d:\d\d training\.callbacks\.console_log\] step (\d+)/8: (.+)$")
+
+
+def test_the_log_shows_the_losses_tensorboard_holds(plain_fit):
+    """A log that is no terminal (this run's output is a pipe) gets the train loss every `console.every_n_steps`
+    updates and each validation's loss, as log lines holding the values TensorBoard logged at those steps."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run, output = plain_fit
+    printed = []
+    for match in filter(None, map(LOSS_LINE.search, output.replace("\r", "\n").splitlines())):
+        printed += [(tag, int(match.group(1)), float(value))
+                    for tag, value in (part.split() for part in match.group(2).split(" · "))]
+    assert [(tag, step) for tag, step, _ in printed] == [("train/loss", 4), ("val/loss", 4), ("train/loss", 8),
+                                                         ("val/loss", 8)], output
+    acc = EventAccumulator(str(run), size_guidance={"scalars": 0})
+    acc.Reload()
+    logged = {(tag, e.step): e.value for tag in ("train/loss", "val/loss") for e in acc.Scalars(tag)}
+    assert [value for *_, value in printed] == [pytest.approx(logged[tag, step], abs=5e-5)
+                                                for tag, step, _ in printed]
 
 
 def test_the_srun_on_path_is_seen(srun_dir, monkeypatch):

@@ -5,23 +5,25 @@ from __future__ import annotations
 import ast
 import re
 
+import pytest
 import torch
 
 from model import ModelConfig, Transformer
 from model.probes import gain_stats, gain_tags, grad_norms, record
 from tests.helpers.multiproc import REPO
 from training import health_tags as T
-from training.callbacks.health import TrainingHealth
+from training.callbacks.health import LAYOUT, RunCharts, TrainingHealth, layout
 from training.callbacks.stability import StabilityProbe
 
+TINY = dict(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=16)
 
-def written_tags() -> set[str]:
-    """Every tag a metrics step writes for a tiny QK-normed model with a learnable sink and an output gate: the
-    recorder's, the gradient norms, the norm gains', the health callback's parameter statistics and the stability
-    telemetry (exact max logits, update ratios)."""
-    cfg = ModelConfig.preset("qwen3", vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=16,
-                             attn_sink="learnable", attn_gate="head")
-    model = Transformer(cfg)
+
+def written_tags(model: Transformer | None = None) -> set[str]:
+    """Every tag a metrics step writes for `model` (by default a tiny QK-normed model with a learnable sink and an
+    output gate): the recorder's, the gradient norms, the norm gains', the health callback's parameter statistics
+    and the stability telemetry (exact max logits, update ratios)."""
+    if model is None:
+        model = Transformer(ModelConfig.preset("qwen3", **TINY, attn_sink="learnable", attn_gate="head"))
     tokens = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(0))
     stability = StabilityProbe()
     stability.start(model)
@@ -61,3 +63,31 @@ def test_no_reader_spells_a_health_tag():
     spelled = [s for p in sorted((REPO / "training").rglob("*.py")) if p.name != "health_tags.py"
                for s in _spelled(p)]
     assert spelled == []
+
+
+@pytest.mark.parametrize("preset, fields", [("llama", {}), ("qwen3", {}), ("qwen3", {"qk_norm_kind": "l2"}),
+                                            ("llama", {"norm": "none"}), ("qwen3", {"attn_sink": "learnable"})])
+def test_the_layout_holds_exactly_the_charts_the_model_fills(preset, fields):
+    """A chart of the dashboards is in a run's layout iff the run writes a tag it matches: without QK-norm (or with
+    an l2 QK-norm, which has no gain) no QK-norm-gain chart, without norms no gain charts; the guard's and
+    QK-clip's charts only where those can log."""
+    model = Transformer(ModelConfig.preset(preset, **TINY, **fields))
+    tags = written_tags(model)
+    charts = {regex: title for category in layout(RunCharts(model)).values() for title, regex in category.items()}
+    every = {regex for category in LAYOUT.values() for regex in category.values()}
+    filled = {regex for regex in every if any(re.fullmatch(regex, tag) for tag in tags)}
+    assert set(charts) == filled
+    assert (rf"{T.QK_GAIN}/(q|k)/mean/L\d+" in charts) == (preset == "qwen3" and not fields.get("qk_norm_kind"))
+    run_level = layout(RunCharts(model, qk_clip=True, skips=True))
+    added = {t for category in run_level.values() for t in category} - set(charts.values())
+    assert added == {"skipped steps (guard): empty until a step is skipped",
+                     "QK-clip: largest logit and heads clipped, every step"}
+
+
+def test_per_layer_charts_name_their_layers():
+    """TensorBoard colours a custom-scalar series by run and tells layers apart by marker only, listed under the
+    chart's "Matches": a per-layer chart's title names the layers and points there."""
+    charts = layout(RunCharts(Transformer(ModelConfig(**{**TINY, "n_layers": 3}))))
+    assert charts["Gradient flow"]["gradient norm per block · L0–L2 (markers: see Matches)"] == rf"{T.GRAD_NORM}/L\d+"
+    assert charts["Gradient flow"]["global gradient norm"] == T.GRAD_GLOBAL
+    assert "stream max |x| / RMS (massive activations) · L0–L2, final_in (markers: see Matches)" in charts["Outliers"]

@@ -15,6 +15,7 @@ from model.norms import NORMS
 from model.probes import gain_tags, norm_gains, record, sink_mass, stream_outliers
 from model.rope import rope_cos_sin
 from tests.test_model_structure import FORMULAS
+from training import health_tags as T
 from training.callbacks import depth_profile
 
 
@@ -201,7 +202,8 @@ def test_depth_profile_figure_draws_this_step_beside_step_0():
 
 def test_a_short_fit_logs_the_telemetry_the_outliers_layout_and_the_depth_profile(tmp_path):
     """A real Lightning fit with the TensorBoard logger: the new tags, the "Outliers" dashboard and one
-    depth-profile image per metrics step are in the events; step 0's profile goes into the checkpoint."""
+    depth-profile image per metrics step — every 2 and the last (step 3 of 4) — are in the events; step 0's
+    profile goes into the checkpoint."""
     from lightning.pytorch import Trainer
     from lightning.pytorch.loggers import TensorBoardLogger
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -214,10 +216,10 @@ def test_a_short_fit_logs_the_telemetry_the_outliers_layout_and_the_depth_profil
     torch.manual_seed(0)
     lit = LitLM(vocab_size=64, dim=32, n_layers=2, n_heads=4, max_seq_len=8, qk_norm="head")
     health = TrainingHealth(every_n_steps=2)
-    trainer = Trainer(accelerator="cpu", max_steps=3, logger=TensorBoardLogger(tmp_path, name="tb"),
+    trainer = Trainer(accelerator="cpu", max_steps=4, logger=TensorBoardLogger(tmp_path, name="tb"),
                       log_every_n_steps=1, callbacks=[health], enable_checkpointing=False,
                       enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path)
-    trainer.fit(lit, DataLoader(torch.randint(0, 64, (6, 9)), batch_size=2))
+    trainer.fit(lit, DataLoader(torch.randint(0, 64, (8, 9)), batch_size=2))
     acc = EventAccumulator(trainer.logger.log_dir, size_guidance={"scalars": 0, "tensors": 0, "images": 0})
     acc.Reload()
     tags = set(acc.Tags()["scalars"])
@@ -227,17 +229,21 @@ def test_a_short_fit_logs_the_telemetry_the_outliers_layout_and_the_depth_profil
              for l in range(2)}
     want |= {"outlier/max_over_rms/final_in", "outlier/kurtosis/final_in", "norm/gain_mean/final"}
     assert want <= tags, sorted(want - tags)
-    assert [e.step for e in acc.Scalars("attn/sink_mass/L1")] == [0, 2]
+    for tag in ("attn/sink_mass/L1", "grad/norm/L0", "optim/update_ratio/mlp/L1"):
+        assert [e.step for e in acc.Scalars(tag)] == [0, 2, 3], tag
     images = acc.Images(PROFILE_TAG)
-    assert [e.step for e in images] == [0, 2] and images[0].width >= 600 and images[0].height >= 150
-    layout = layout_pb2.Layout.FromString(acc.Tensors("custom_scalars__config__")[0].tensor_proto.string_val[0])
-    outliers = next(c for c in layout.category if c.title == "Outliers")
-    regexes = [chart.multiline.tag[0] for chart in outliers.chart]
-    assert all(any(re.fullmatch(r, t) for t in tags) for r in regexes), regexes  # every chart has data
-    from training.callbacks.health import layout
+    assert [e.step for e in images] == [0, 2, 3] and images[0].width >= 600 and images[0].height >= 150
+    saved = layout_pb2.Layout.FromString(acc.Tensors("custom_scalars__config__")[0].tensor_proto.string_val[0])
+    assert [c.title for c in saved.category] == ["Residual growth", "Softmax saturation", "Gradient flow",
+                                                 "Outliers", "Stability"]
+    regexes = [chart.multiline.tag[0] for category in saved.category for chart in category.chart]
+    assert [r for r in regexes if not any(re.fullmatch(r, t) for t in tags)] == []  # every chart has data
+    assert rf"{T.QK_GAIN}/(q|k)/mean/L\d+" in regexes  # (this model has QK-norm gains)
+    from training.callbacks.health import RunCharts, layout
 
-    sunk = [*layout(lit.config.replace(attn_sink="learnable", attn_gate="head"))["Outliers"]]
-    assert len(sunk) == len(regexes) + 2 and "explicit sink's share (attn_sink)" in sunk
+    sunk = [*layout(RunCharts(Transformer(lit.config.replace(attn_sink="learnable", attn_gate="head"))))["Outliers"]]
+    outliers = next(c for c in saved.category if c.title == "Outliers")
+    assert len(sunk) == len(outliers.chart) + 2 and any(t.startswith("explicit sink's share") for t in sunk)
 
     trainer.save_checkpoint(tmp_path / "last.ckpt")
     state = torch.load(tmp_path / "last.ckpt", weights_only=True)["callbacks"]["TrainingHealth"]

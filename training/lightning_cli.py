@@ -10,6 +10,8 @@ Config groups (all settable in YAML via `-c` and as dotted flags):
   guard.*       NonFiniteGuard (`--guard.policy abort|skip`, `--guard.max_consecutive_skips`, spike dumps:
                 `--guard.dump_spike_z`, `--guard.max_dumps`)
   throughput.*  Throughput (`--throughput.peak_tflops`)
+  console.*     ConsoleLog: the train loss every N updates and each validation's loss as log lines
+                (`--console.every_n_steps 50`; 0: validation lines only)
   eval.*        DownstreamEval: harness tasks in the loop (`--eval.tasks arc_easy --eval.every_n_steps 1000`)
   cluster.*     ClusterConfig: the collective timeout, Slurm's warning signal and requeueing (`--cluster.timeout_s
                 600 --cluster.signal USR1`; training/cluster/)
@@ -40,6 +42,7 @@ from data.datamodule import TokenDataModule
 from data.prepare import DEFAULT_OUTPUT
 from training import cli_checks, compat
 from training.callbacks import NonFiniteGuard, RNGState, StepCheckpoint, Throughput, TrainingHealth
+from training.callbacks.console_log import ConsoleLog
 from training.callbacks.downstream import DownstreamEval
 from training.callbacks.order import arrange
 from training.callbacks.progress import step_counting
@@ -181,6 +184,7 @@ class NormlabCLI(LightningCLI):
         parser.add_lightning_class_args(Throughput, "throughput")
         parser.add_lightning_class_args(TrainingHealth, "metrics")
         parser.add_lightning_class_args(NonFiniteGuard, "guard")
+        parser.add_lightning_class_args(ConsoleLog, "console")  # the losses as log lines, for logs without a bar
         parser.add_lightning_class_args(DownstreamEval, "eval")  # harness tasks in the loop
         parser.add_class_arguments(ClusterConfig, "cluster")
 

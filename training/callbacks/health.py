@@ -1,6 +1,7 @@
 """Training-health metrics in TensorBoard: residual growth, softmax saturation, gradient flow.
 
-Every `every_n_steps` optimizer steps, and at step 0 (an init audit), the first micro-batch of the step runs
+Every `every_n_steps` optimizer steps, at step 0 (an init audit) and on the run's last update (the state it ends
+in, which a multiple of `every_n_steps` rarely is), the first micro-batch of the step runs
 with the probes' forward hooks attached (`model.probes.record`: residual-stream RMS and update ratios per layer,
 softmax statistics from sampled query rows; the training forward itself is unchanged), and after its backward
 the per-layer gradient norms are read — correctly under
@@ -8,7 +9,8 @@ ZeRO 1/2/3, where `p.grad` is partitioned or None, through DeepSpeed's `safe_get
 rank in the same order: it is a collective). On other steps nothing is attached and nothing runs.
 
 The values are rank 0's (its micro-batch; gradients are already reduced over ranks) and go straight to the
-TensorBoard writer, with a custom-scalar layout that puts all layers of a metric in one chart.
+TensorBoard writer, with a custom-scalar layout that puts all layers of a metric in one chart (only the charts the
+run can fill; `layout`).
 
 The same steps log stability telemetry (training/callbacks/stability.py, its own dashboard): each layer's exact
 max attention logit over the probed micro-batch, and ‖update‖/‖param‖ of the step's optimizer update per block for
@@ -23,6 +25,9 @@ from a checkpoint written without it draws the current step only and says so in 
 from __future__ import annotations
 
 import logging
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -33,7 +38,8 @@ from model.names import split_layer
 from model.probes import gain_stats, gain_tags, grad_norms, record
 from training import health_tags as T
 from training.callbacks import depth_profile
-from training.callbacks.stability import StabilityProbe
+from training.callbacks.guard import NonFiniteGuard
+from training.callbacks.stability import StabilityProbe, update_groups
 from training.distributed import full_grad, full_param, is_deepspeed
 from training.health_tags import layer_pattern
 from training.loggers import log_scalars, tensorboard
@@ -82,17 +88,71 @@ LAYOUT = {
         "QK-clip: largest logit and heads clipped, every step": rf"{T.QK_CLIP_MAX_LOGIT}|{T.QK_CLIP_HEADS}",
     },
 }
-# Charts whose tags only some models write, with the model fields that make them: others leave them out (an empty
-# panel says nothing).
-NEEDS = {"explicit sink's share (attn_sink)": lambda cfg: cfg.attn_sink != "none",
-         "attention output gate, mean σ (attn_gate)": lambda cfg: cfg.attn_gate != "none"}
+QK_GAIN_PARAMS = ("attn.q_norm.weight", "attn.k_norm.weight")  # a block's QK-norm gains (`qk_gain/{q,k}/*`)
+
+
+@dataclass(frozen=True)
+class RunCharts:
+    """What decides which charts of LAYOUT a run can fill: its model (the parameters it has write the gain tags,
+    its config the sink and gate tags) and the run-level series of other callbacks."""
+
+    model: torch.nn.Module
+    qk_clip: bool = False  # optim.qk_clip is set: its per-step series
+    skips: bool = False  # a step can be skipped: guard.policy skip, or DeepSpeed's own overflow skips
+
+
+def _norm_gains(run: RunCharts) -> bool:
+    return bool(gain_tags(run.model))
+
+
+# Charts whose tags only some runs write, with what makes them: other runs leave them out (an empty panel says
+# nothing). A run with no norm gains (`norm: none`; an l2 QK-norm's temperature is no gain) has no gain charts.
+NEEDS: dict[str, Callable[[RunCharts], bool]] = {
+    "explicit sink's share (attn_sink)": lambda run: run.model.cfg.attn_sink != "none",
+    "attention output gate, mean σ (attn_gate)": lambda run: run.model.cfg.attn_gate != "none",
+    "QK-norm gains (mean)": lambda run: any((block := split_layer(name)) is not None and block[2] in QK_GAIN_PARAMS
+                                            for name, _ in run.model.named_parameters()),
+    "norm gains: mean |γ|": _norm_gains,
+    "norm gains: max |γ|": _norm_gains,
+    "norm gains ‖update‖/‖param‖ per block": lambda run: "norm" in {
+        tag.split("/")[-2] for tag in update_groups(run.model).values()},
+    "QK-clip: largest logit and heads clipped, every step": lambda run: run.qk_clip,
+    "skipped steps (guard)": lambda run: run.skips,
+}
+# Charts a run may fill but that stay empty until something happens: the title says so.
+UNTIL = {"skipped steps (guard)": "empty until a step is skipped"}
+PER_LAYER = re.compile(re.escape(r"L\d+"))  # a chart with one series per layer
 PROFILE_TAG = "profile/depth"  # the depth-profile image
 
 
-def layout(cfg: Any) -> dict[str, dict[str, str]]:
-    """LAYOUT for a model of config `cfg`: the charts of NEEDS only where `cfg` writes their tags."""
-    return {category: {title: regex for title, regex in charts.items() if title not in NEEDS or NEEDS[title](cfg)}
+def chart_title(title: str, regex: str, n_layers: int) -> str:
+    """The title TensorBoard shows: a per-layer chart names its layers and where its legend is. The custom-scalar
+    chart colours a series by its run and marks each tag with a marker shape (◼ ◆ ▲ ★ ✚, in turn); which marker
+    is which layer is listed under the chart's collapsed "Matches" (a layout cannot colour or open it)."""
+    if title in UNTIL:
+        return f"{title}: {UNTIL[title]}"
+    if PER_LAYER.search(regex):
+        final = ", final_in" if "final_in" in regex else ""
+        return f"{title} · L0–L{n_layers - 1}{final} (markers: see Matches)"
+    if regex.endswith("/.+"):  # every norm's gain: a series per norm of every block, and the final norm
+        return f"{title} · every norm (markers: see Matches)"
+    return title
+
+
+def layout(run: RunCharts) -> dict[str, dict[str, str]]:
+    """LAYOUT for `run` (chart title → tag regex, by category): the charts of NEEDS only where the run writes
+    their tags, titled by `chart_title`."""
+    n_layers = run.model.cfg.n_layers
+    return {category: {chart_title(title, regex, n_layers): regex for title, regex in charts.items()
+                       if title not in NEEDS or NEEDS[title](run)}
             for category, charts in LAYOUT.items()}
+
+
+def run_charts(trainer: Trainer, pl_module: LightningModule) -> RunCharts:
+    """The RunCharts of a fit: its model, whether QK-clip runs, whether a step can be skipped."""
+    skips = is_deepspeed(trainer.strategy) or any(isinstance(c, NonFiniteGuard) and c.policy == "skip"
+                                                  for c in trainer.callbacks)
+    return RunCharts(pl_module.model, qk_clip=getattr(pl_module.optim, "qk_clip", None) is not None, skips=skips)
 
 
 class TrainingHealth(Callback):
@@ -117,17 +177,22 @@ class TrainingHealth(Callback):
     def _due(self, step: int, every: int) -> bool:
         return every > 0 and step % every == 0
 
+    def _metrics_step(self, trainer: Trainer, step: int) -> bool:
+        """Whether update `step` (0-based) is probed: every `every_n_steps`, and the last of `max_steps`."""
+        last = trainer.max_steps is not None and step == trainer.max_steps - 1
+        return self.every_n_steps > 0 and (step % self.every_n_steps == 0 or last)
+
     # -- layout ------------------------------------------------------------------------------------------
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         writer = self._writer(trainer)
         if writer is not None and self.every_n_steps:
             writer.add_custom_scalars({chart: {title: ["Multiline", [regex]] for title, regex in charts.items()}
-                                       for chart, charts in layout(pl_module.config).items()})
+                                       for chart, charts in layout(run_charts(trainer, pl_module)).items()})
 
     # -- probes around the first micro-batch of a metrics step ---------------------------------------------
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         first_micro = batch_idx % trainer.accumulate_grad_batches == 0
-        if first_micro and self._due(trainer.global_step, self.every_n_steps):
+        if first_micro and self._metrics_step(trainer, trainer.global_step):
             self._probe = record(pl_module.model, attn_rows=self.attn_rows, saturation_threshold=self.threshold)
             self._values = {}
             self._recorder = self._probe.__enter__()
@@ -144,7 +209,7 @@ class TrainingHealth(Callback):
 
     def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Any) -> None:
         step = trainer.global_step
-        if not self._due(step, self.every_n_steps):
+        if not self._metrics_step(trainer, step):
             return
         model, deepspeed = pl_module.model, is_deepspeed(trainer.strategy)
         # DeepSpeed accumulates gradients itself, so Lightning calls this every micro-batch; the reduced
@@ -183,7 +248,7 @@ class TrainingHealth(Callback):
                 _, index, rest = block
                 key = T.layer(T.PARAM_NORM, index)
                 sq[key] = sq.get(key, 0) + full.pow(2).sum()
-                if rest in ("attn.q_norm.weight", "attn.k_norm.weight"):
+                if rest in QK_GAIN_PARAMS:
                     qk = f"{T.QK_GAIN}/{rest.removeprefix('attn.')[0]}"  # q or k
                     out.update({T.layer(qk, index, "mean"): full.mean().item(),
                                 T.layer(qk, index, "max"): full.max().item(),

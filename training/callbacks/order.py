@@ -4,8 +4,8 @@ Lightning calls the callbacks of every hook in list order and has no priority of
 see another's work, the list order is the contract. `ORDER` states it; `arrange` puts a trainer's callbacks in it
 (NormlabCLI, once the trainer and the run's own callbacks are built). A callback is placed by the first row whose
 class it is an instance of; the `REST` row holds everything no row names, in the order it was added: the callbacks
-configured in `trainer.callbacks`, Lightning's own (the model summary, a Timer, …) and `InitFrom` — none of them
-depends on its place among the run's callbacks.
+configured in `trainer.callbacks`, Lightning's own (the model summary, a Timer, …), `InitFrom` and `ConsoleLog` (it
+prints values Lightning has already copied) — none of them depends on its place among the run's callbacks.
 """
 from __future__ import annotations
 

@@ -23,6 +23,7 @@ import json
 import logging
 import os
 import socket
+import stat
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -73,7 +74,11 @@ def acquire(run_dir: str | Path, command: str) -> RunLock:
     run_dir.mkdir(parents=True, exist_ok=True)
     path = run_dir / LOCK_FILE
     while True:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fd = open_lock_file(path)
+        except UserError:
+            _remove_empty(made)
+            raise
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -103,6 +108,40 @@ def acquire(run_dir: str | Path, command: str) -> RunLock:
     return RunLock(path, fd, made)
 
 
+def open_lock_file(path: Path) -> int:
+    """Open (or create) the lock file `path` for reading and writing — only a regular file of one link, or a
+    UserError naming it. The lock file is truncated and rewritten: opened through a symlink or as a hard link it
+    would overwrite the file it shares, so links are never followed; a directory or FIFO there (O_NONBLOCK: a
+    FIFO's open would otherwise wait for a writer) is refused in the same line instead of a traceback."""
+    fix = f"remove it (`rm -r {path}`) and run the command again: normlab creates its own lock file there"
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
+    except OSError as err:
+        if err.errno in (errno.ELOOP, errno.EISDIR, errno.ENXIO):
+            what = "a symbolic link" if os.path.islink(path) else _kind(path)
+            raise UserError(f"{path} is {what}, not normlab's lock file: {fix}") from None
+        raise
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode) or info.st_nlink != 1:
+        os.close(fd)
+        what = _kind(path) if not stat.S_ISREG(info.st_mode) else f"a file with {info.st_nlink} hard links"
+        raise UserError(f"{path} is {what}, not normlab's lock file (writing it would change another file): {fix}")
+    return fd
+
+
+def _kind(path: Path) -> str:
+    """What is at `path`, in words (for a refusal)."""
+    try:
+        mode = os.lstat(path).st_mode
+    except OSError:
+        return "unreadable"
+    for test, name in ((stat.S_ISLNK, "a symbolic link"), (stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"),
+                       (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a device"), (stat.S_ISBLK, "a device")):
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
 def _holder(fd: int) -> str:
     """Who holds the lock, as its file records it."""
     try:
@@ -118,7 +157,7 @@ def locked(path: Path, blocking: bool = True) -> Iterator[bool]:
     experiment — released by the kernel if the holder dies, even by kill -9; yields whether it was taken (always
     True when blocking). The file stays: many processes take it in turn."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    fd = open_lock_file(path)
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))

@@ -207,7 +207,8 @@ def _check_coverage(ckpt_dir: Path, manifest: Manifest) -> None:
     would read (model.ckpt, a shard, model_config.json) is checked before it is: one it leaves out was added or
     edited out later, and is refused rather than read unverified."""
     for rel in _files(ckpt_dir):
-        if Path(rel).parts[0] not in _OWN_MANIFEST and rel not in manifest.sha256:
+        listed = rel in manifest.files or rel in manifest.sha256  # (one without its digest: verify_files')
+        if Path(rel).parts[0] not in _OWN_MANIFEST and not listed:
             raise CheckpointError(f"checkpoint {ckpt_dir} is damaged: its {MANIFEST} (version "
                                   f"{manifest.manifest_version}) does not list '{rel}', which normlab always records "
                                   "— the manifest was edited or the file added later; nothing was loaded — use an "

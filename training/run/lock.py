@@ -5,7 +5,9 @@
 A second process on the same run directory is refused with one line naming the holder (pid, host, command,
 start time) — two fits on one `--name` would otherwise move each other's in-flight saves aside and purge each
 other's checkpoints. The lock is an `flock` on the file, so the kernel drops it when its holder dies, even by
-`kill -9`: a stale lock file never blocks anyone. The file is removed when its holder ends normally.
+`kill -9`: a stale lock file never blocks anyone. The file is removed when its holder ends normally. Anything at
+that path but a regular file of one link (a symbolic or hard link, a directory, a FIFO) is refused in one line,
+never followed: the holder truncates and rewrites the file.
 
 Which process holds it: the job's first rank (training/cluster/rank.py, from the launcher's environment, before any
 process group exists). The ranks of one job are one writer — they write disjoint shards and rank 0 alone decides

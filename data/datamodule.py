@@ -88,6 +88,7 @@ class TokenDataModule(L.LightningDataModule):
         self._meta: dict[str, Any] | None = None
         self._metas: dict[Path, dict[str, Any]] = {}  # of the other directories (mixture sources, val sets)
         self._restart = (0, 0)  # (global_step, tokens_seen) when this run started: from the checkpoint on resume
+        self._checked = False  # check_directories passed (the files are not rewritten while a command runs)
 
     # --- what the rest of normlab reads -------------------------------------------------------------------
     @property
@@ -166,13 +167,22 @@ class TokenDataModule(L.LightningDataModule):
             ensure_default_corpus(self.path)
 
     def setup(self, stage: str | None = None) -> None:
+        if self._checked:  # by the command, before it wrote the run directory: the id scan is not repeated
+            return
         self._meta = None  # re-read: prepare_data may have just built the directory
         self._metas = {}
+        self.check_directories()
+
+    def check_directories(self) -> None:
+        """Every data directory (sources, held-out sets) matches its meta.json and this run's tokenizer, or one
+        DataError naming the damage. `setup` runs it; a command runs it first too, before anything is written
+        into the run directory, so a refused start leaves nothing there that would block the corrected one."""
         for _, path, _ in self.sources:
             self._check_directory(path, train=True)
         for name, path in self.val_sets.items():
             self._check_directory(path, train=False, role=f"data.val_sets.{name}")
         self._check_tokenizer()
+        self._checked = True
 
     def _check_directory(self, path: Path, train: bool, role: str = "data.path") -> None:
         meta = self._meta_of(path, role)

@@ -7,6 +7,7 @@ Inputs normlab accepts on purpose are tested where they are documented: a warm-u
 a warning (below), `--data.val_batches 0` validates nothing (tests/test_data_datamodule.py)."""
 from __future__ import annotations
 
+import pickle
 import shutil
 from pathlib import Path
 
@@ -111,6 +112,9 @@ ROWS: dict[str, tuple[str, list[str]]] = {
                                                                                      "posix.system"]),
     "evaluate_pickled_hf_weights": ("evaluate --checkpoint {bad}/hf_bin", ["refusing to load", "posix.system"]),
     "export_pickled_hf_weights": ("export --checkpoint {bad}/hf_bin --output {out}/x", ["refusing to load"]),
+    # pickle.dump, not torch.save: refused at its first opcode, so the type is read from the file's opcodes
+    "evaluate_plain_pickled_hf_weights": ("evaluate --checkpoint {bad}/hf_plain", [
+        "refusing to load '", "hf_plain/pytorch_model.bin': it holds posix.system, which is not a tensor"]),
     "init_from_pickled_hf_weights": (f"{FIT} --init_from {{bad}}/hf_bin", ["--init_from"]),
 }
 
@@ -153,6 +157,9 @@ def craft(bad: Path, run: Path, ckpt: Path) -> None:
     weights = load_file(bad / "hf_bin" / "model.safetensors")
     (bad / "hf_bin" / "model.safetensors").unlink()
     torch.save({**weights, "payload": Payload(bad / "MARKER")}, bad / "hf_bin" / "pytorch_model.bin")
+    shutil.copytree(bad / "hf_bin", bad / "hf_plain")
+    with open(bad / "hf_plain" / "pytorch_model.bin", "wb") as f:
+        pickle.dump({**weights, "payload": Payload(bad / "MARKER")}, f)
 
 
 @pytest.fixture(scope="module")

@@ -45,6 +45,23 @@ def test_progress_resets_the_count(tmp_path, monkeypatch, caplog):
         "scontrol is not on the PATH: job 7 not requeued (resume with --ckpt_path last)"]
 
 
+@pytest.mark.parametrize("garbled", [b"[{bad", b"\xff\xfe[]", b'{"step": 8}', b"[1, 2]", b'[{"step": "8"}]'])
+def test_a_garbled_requeue_record_counts_afresh_and_is_rewritten_whole(garbled, tmp_path, monkeypatch, caplog):
+    """A `requeues.json` that is not JSON, not UTF-8, not a list, or whose entries are not requeues: the warned
+    job is still requeued (here, no `scontrol`: the attempt says so) — one warning naming the file, no
+    traceback — and the record is replaced by this one requeue, with no temporary file left beside it."""
+    monkeypatch.setenv("SLURM_JOB_ID", "7")
+    monkeypatch.setenv("PATH", str(tmp_path / "bin"))  # (no scontrol there)
+    record = tmp_path / REQUEUES_FILE
+    record.write_bytes(garbled)
+    with caplog.at_level(logging.WARNING, logger="training.cluster"):
+        assert not requeue(tmp_path, 8, "warned by SIGUSR1", max_requeues=3)
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warned) == 1 and f"'{record}'" in warned[0] and "counting this run's requeues afresh" in warned[0]
+    assert [(r["job"], r["step"]) for r in json.loads(record.read_text())] == [("7", 8)]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [REQUEUES_FILE]
+
+
 def test_outside_slurm_nothing_is_requeued(tmp_path, monkeypatch):
     monkeypatch.delenv("SLURM_JOB_ID", raising=False)
     assert not requeue(tmp_path, 5, "warned by SIGUSR1", max_requeues=3)

@@ -155,3 +155,34 @@ def test_a_stop_signal_saves_the_step_and_skips_the_harness(workdir):
     run = fit_with_tasks(workdir, "stopped", "-c", str(hooks))
     assert (run / "checkpoints" / "step-00000005" / "manifest.json").is_file()
     assert sorted(p.name for p in (run / "eval" / "lm_eval").glob("step-*.json")) == ["step-00000004.json"]
+
+
+def test_task_files_are_never_read_from_a_run_or_checkpoint_directory(tmp_path, capsys):
+    """A task YAML whose `!function` would import Python written beside it: under a run, under a checkpoint, or
+    in a directory holding a run, the include path is refused in one line before the harness reads a file (the
+    Python never runs); `--include_path`'s help says that task files are code."""
+    from training.errors import UserError
+    from training.eval.cli import main as evaluate_main
+    from training.eval.tasks import TaskSet
+
+    run = tmp_path / "runs" / "shared"
+    ckpt = run / "checkpoints" / "step-00000002"
+    ckpt.mkdir(parents=True)
+    (ckpt / "manifest.json").write_text('{"step": 2}')
+    (run / "config.yaml").write_text("model: {}\n")
+    marker = tmp_path / "MARKER"
+    for tasks in (run / "tasks", ckpt / "tasks"):
+        tasks.mkdir()
+        write_task(tasks)
+        (tasks / "evil.py").write_text(f"open({str(marker)!r}, 'w').close()\ndef docs(d):\n    return d\n")
+        with open(tasks / f"{TASK}.yaml", "a") as f:
+            f.write("process_docs: !function evil.docs\n")
+    for include, where in ((run / "tasks", f"is inside {run}"), (ckpt / "tasks", f"is inside {ckpt}"),
+                           (tmp_path, f"holds {run}")):
+        with pytest.raises(UserError, match=rf"^include_path: '{include}' {where}, a normlab run or checkpoint "
+                                            r"directory; task YAML files can import and run Python \(`!function`\)"):
+            TaskSet.load([TASK], include_path=str(include))
+    assert not marker.exists()
+    with pytest.raises(SystemExit):
+        evaluate_main(["--help"])
+    assert "`!function` imports Python from that directory and runs it" in " ".join(capsys.readouterr().out.split())

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -16,11 +17,12 @@ import pytest
 
 from tests.helpers.multiproc import REPO, cpu_env
 from tests.helpers.runs import read_manifest
+from training.checkpointing import resume
 from training.cli import main
 from training.cluster.rank import is_first_rank
-from training.errors import DEBUG_ENV
+from training.errors import DEBUG_ENV, UserError
 from training.run import layout
-from training.run.lock import LOCK_FILE, acquire
+from training.run.lock import LOCK_FILE, acquire, locked
 
 pytestmark = pytest.mark.filterwarnings("ignore:LightningCLI's args parameter")
 
@@ -107,3 +109,48 @@ def test_only_the_first_rank_of_a_job_takes_the_lock(env, first, monkeypatch):
     for var, value in env.items():
         monkeypatch.setenv(var, value)
     assert is_first_rank() is first
+
+
+@pytest.mark.parametrize("shape, what", [("symlink", "a symbolic link"), ("hardlink", "a file with 2 hard links"),
+                                         ("directory", "a directory"), ("fifo", "a FIFO")])
+def test_a_lock_path_that_is_not_a_plain_file_is_refused_and_nothing_it_reaches_changes(shape, what, tmp_path):
+    """`runs/<name>/.lock` as a link to another file, a directory or a FIFO: one UserError naming the path and
+    the fix (remove it), without following it — the file it links to keeps its bytes — and without blocking on the
+    FIFO. `locked` (a sweep's flock) refuses the same shapes."""
+    run, other = tmp_path / "runs" / "linked", tmp_path / "precious.txt"
+    run.mkdir(parents=True)
+    other.write_text("keep me\n")
+    lock = run / LOCK_FILE
+    {"symlink": lambda: lock.symlink_to(other), "hardlink": lambda: os.link(other, lock),
+     "directory": lambda: lock.mkdir(), "fifo": lambda: os.mkfifo(lock)}[shape]()
+    for take in (lambda: acquire(run, "normlab fit"), lambda: locked(lock).__enter__()):
+        with pytest.raises(UserError) as err:
+            take()
+        assert str(err.value).startswith(f"{lock} is {what}, not normlab's lock file"), err.value
+        assert f"remove it (`rm -r {lock}`)" in str(err.value) and "\n" not in str(err.value)
+    assert other.read_text() == "keep me\n"
+    assert os.path.lexists(lock) and run.is_dir()
+
+
+@pytest.mark.parametrize("damage", ["train.bin", "val.bin"])
+def test_a_start_refused_for_damaged_data_leaves_nothing_that_blocks_the_retry(damage, workdir, tmp_path, capsys,
+                                                                               monkeypatch):
+    """A train split whose size is no multiple of its token size, or a missing split: `normlab fit` is refused in
+    one line naming the damage before anything is written into the run directory — no TensorBoard events, no
+    config.yaml — so the corrected start is not refused as "already holds a run"."""
+    monkeypatch.delenv(DEBUG_ENV, raising=False)
+    data, runs = tmp_path / "damaged", tmp_path / "runs"
+    shutil.copytree(workdir / "tiny", data)
+    if damage == "train.bin":
+        with open(data / damage, "ab") as f:
+            f.write(b"\0")
+    else:
+        (data / damage).unlink()
+    capsys.readouterr()
+    argv = fit_argv(workdir, runs, "--name", "retry", "--trainer.max_steps", "1")
+    argv[argv.index("--trainer.logger") + 1] = "true"  # the default TensorBoard logger, which writes on start
+    assert main([*argv, "--data.path", str(data)]) == 2
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert line.startswith(f"normlab fit: error: '{data}' is damaged (") and str(data / damage) in line, line
+    resume.check_no_logged_run(runs / "retry")  # what refuses a start on a run that logged
+    assert not (runs / "retry").exists()

@@ -141,6 +141,9 @@ PATCHES: dict[str, Patch] = {p.target: p for p in [
           "allowed by the .metadata unpickler: TensorProperties pickles it", "torch", ">=2.6", "internal"),
     Patch("torch.serialization:_get_layout", "allowed by the .metadata unpickler: how a tensor layout is pickled",
           "torch", ">=2.6", "internal"),
+    Patch("torch._weights_only_unpickler:_get_allowed_globals",
+          "the types torch.load(weights_only=True) accepts: a refused plain pickle is named by its first type outside "
+          "them (checkpointing/safe.py)", "torch", ">=2.6", "internal"),
     Patch("torch.optim._muon:_zeropower_via_newtonschulz",
           "GatheredMuon (training/optim/muon.py) runs torch.optim.Muon's own Newton-Schulz on each FSDP2 matrix, "
           "gathered: the update one process computes", "torch", ">=2.9", "internal"),

@@ -297,7 +297,9 @@ class NormlabCLI(LightningCLI):
             # config is formatted at the strategy's setup, after this hook.
             self.trainer.strategy.config.setdefault("train_micro_batch_size_per_gpu", self.datamodule.batch_size)
         if Path(self.datamodule.path).resolve() != Path(DEFAULT_OUTPUT).resolve():  # (that one is built on use)
-            _ = self.datamodule.meta  # a DataError naming the path and the `normlab prepare` command
+            # A DataError naming the path (no prepared data: the `normlab prepare` command; a short or missing
+            # split: the damage) — before the logger writes the run directory.
+            self.datamodule.check_directories()
 
     def _check_checkpoint(self) -> None:
         """`validate | test`: the checkpoint is checked as a resume's is (fit: `StepCheckpoint.setup`) — every file

@@ -33,7 +33,13 @@ log = logging.getLogger(__name__)
 
 
 class DownstreamEval(Callback):
-    """Harness tasks on the live model every `every_n_steps` optimizer steps (0: never; the default)."""
+    """Harness tasks on the live model every `every_n_steps` optimizer steps (0: never; the default).
+
+    Args:
+        include_path: a directory of your own task YAML files. They are code: a task's `!function` imports
+            Python from that directory and runs it, so pass only tasks you wrote or trust; a run or checkpoint
+            directory is refused.
+    """
 
     def __init__(self, tasks: list[str] | str | None = None, every_n_steps: int = 0, limit: int | None = None,
                  num_fewshot: int | None = None, include_path: str | None = None, batch_size: int = 8) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -119,7 +120,15 @@ class StepCheckpoint(Callback):
         return path
 
     def _purge(self, run_dir: str | Path) -> None:
-        """Delete the oldest complete checkpoints beyond `keep_last_n` — only after a new one is complete."""
+        """Delete the oldest complete checkpoints beyond `keep_last_n` — only after a new one is complete. A step
+        directory that is a symbolic link loses the link only: what it points to (an archived copy, another
+        run's checkpoint) is not this run's to delete, and rmtree on a link would stop the run."""
         for old in complete_checkpoints(run_dir)[:-self.keep_last_n]:
+            if old.is_symlink():
+                target = os.readlink(old)
+                old.unlink()
+                log.warning("removed the symbolic link %s (checkpoint.keep_last_n=%d); what it points to, %s, is "
+                            "kept", old, self.keep_last_n, target)
+                continue
             shutil.rmtree(old)
             log.info("removed checkpoint %s (checkpoint.keep_last_n=%d)", old, self.keep_last_n)

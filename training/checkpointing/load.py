@@ -26,7 +26,7 @@ import torch
 from model import ModelConfig, Transformer
 from training.checkpointing import dcp
 from training.checkpointing.remote_code import HF_READ, refuse_custom_code
-from training.checkpointing.safe import no_code_from_checkpoints, refusal, safe_torch_load
+from training.checkpointing.safe import no_code_from_checkpoints, refusal, safe_torch_load, unsafe_globals
 from training.errors import CheckpointError
 from training.run.dir import RunDir, data_path, model_config, step_config, tokenizer_of
 from training.run.layout import LIGHTNING_FILE, MANIFEST, MODEL_CONFIG_FILE
@@ -153,7 +153,10 @@ def _hf_refusal(path: Path, err: Exception) -> CheckpointError:
     """One line for a Hugging Face directory transformers could not load (a pickled weights file that names a type
     outside tensors — refused weights-only, never run — a missing file, a config it does not know)."""
     if isinstance(err, pickle.UnpicklingError):  # transformers reads pytorch_model.bin weights-only
-        return refusal(path, err)
+        # Name the weights file — of a sharded model, the shard holding a refused type (err names no file)
+        files = sorted(path.glob("pytorch_model*.bin"))
+        named = [f for f in files if unsafe_globals(f)]
+        return refusal((named or files or [path])[0], err)
     message = " ".join(str(err).split())
     return CheckpointError(f"cannot load the Hugging Face model in '{path}' ({type(err).__name__}: {message[:300]})")
 

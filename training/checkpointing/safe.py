@@ -20,6 +20,7 @@ Three entry points:
 """
 from __future__ import annotations
 
+import importlib
 import os
 import pickle
 import re
@@ -62,13 +63,75 @@ _GLOBAL = re.compile(r"GLOBAL (\S+)|global[s]?:? \[?['\"]?([\w.]+)")
 
 
 def refusal(path: Any, err: Exception) -> CheckpointError:
-    """One line for a file the restricted unpickler refused (`err`), naming the file and the type."""
+    """One line for a file the restricted unpickler refused (`err`), naming the file and the type. A plain
+    pickle (not torch.save's format) is refused before the unpickler reaches any type — its error names an
+    opcode — so the type is then read from the file's pickle opcodes."""
     found = _GLOBAL.search(str(err))
-    what = next(g for g in found.groups() if g) if found else str(err).strip().splitlines()[-1][:200]
+    if found:
+        what = next(g for g in found.groups() if g)
+    else:
+        names = unsafe_globals(Path(path)) if isinstance(path, (str, os.PathLike)) and Path(path).is_file() else []
+        what = names[0] if names else f"content the weights-only reader refuses ({_torch_reason(err)})"
     return UnsafeCheckpointError(
         f"refusing to load '{path}': it holds {what}, which is not a tensor nor one of the few types normlab "
         "checkpoints contain — unpickling it could run code. Nothing from it was run; load only checkpoints "
         "written by normlab (see docs/checkpoints.md)")
+
+
+def _torch_reason(err: Exception) -> str:
+    """The line of torch's weights-only error that says what it met (not its advice around it)."""
+    lines = [ln.strip() for ln in str(err).splitlines() if ln.strip()]
+    useful = [ln for ln in lines if not ln.startswith(("Weights only load failed", "Check the documentation",
+                                                        "Please file an issue"))]
+    return (useful or lines or [type(err).__name__])[0][:200]
+
+
+def unsafe_globals(path: Path) -> list[str]:
+    """The globals a plain pickle file names that `torch.load(weights_only=True)` (with `_allowed()`) refuses,
+    those outside torch first (the most telling: `torch.storage._load_from_bytes`, a plain pickle's tensor
+    storage, is refused too, as it unpickles without restriction)."""
+    from training.compat import require
+
+    require("torch._weights_only_unpickler:_get_allowed_globals")
+    unpickler = importlib.import_module("torch._weights_only_unpickler")  # (catalogued in training/compat.py)
+    allowed = {*unpickler._get_allowed_globals(), *(f"{c.__module__}.{c.__qualname__}"
+                                                                 for c in _allowed())}
+    refused = [name for name in pickle_globals(path) if name not in allowed]
+    return sorted(refused, key=lambda name: name.split(".")[0] == "torch")
+
+
+def pickle_globals(path: Path) -> list[str]:
+    """The globals (`module.name`) a plain pickle file names, each once, read opcode by opcode
+    (pickletools: nothing is built or run). STACK_GLOBAL takes its module and name from the two strings pushed
+    before it, directly or through the memo. A zip archive, or an unreadable tail, gives what was found."""
+    import pickletools
+
+    found: list[str] = []
+    strings: list[str] = []
+    memo: dict[int, Any] = {}
+    top: Any = None  # the string the last opcode pushed, if it pushed one
+    try:
+        with open(path, "rb") as f:
+            for op, arg, _ in pickletools.genops(f):
+                pushed, new = None, False
+                if op.name in ("GLOBAL", "INST"):
+                    found.append(str(arg).replace(" ", "."))
+                elif op.name == "STACK_GLOBAL" and len(strings) >= 2:
+                    found.append(f"{strings[-2]}.{strings[-1]}")
+                elif "UNICODE" in op.name and isinstance(arg, str):
+                    pushed, new = arg, True
+                elif op.name == "MEMOIZE":  # stores the top of the stack, which stays there
+                    memo[len(memo)], pushed = top, top
+                elif op.name in ("PUT", "BINPUT", "LONG_BINPUT"):
+                    memo[arg], pushed = top, top
+                elif op.name in ("GET", "BINGET", "LONG_BINGET"):
+                    pushed, new = memo.get(arg), True
+                if new and isinstance(pushed, str):
+                    strings.append(pushed)
+                top = pushed
+    except (ValueError, EOFError, OSError):  # not a pickle from here on (a zip archive, a truncated file)
+        pass
+    return list(dict.fromkeys(found))
 
 
 def refuse_code(ckpt_dir: Path) -> None:

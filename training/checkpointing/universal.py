@@ -22,11 +22,10 @@ from pathlib import Path
 from data.atomic import write_text_atomic
 from training.checkpointing.safe import UnsafeCheckpointError
 from training.errors import CheckpointError
+from training.run.layout import UNIVERSAL_LATEST as LATEST
+from training.run.layout import UNIVERSAL_MANIFEST as CACHE_MANIFEST
+from training.run.layout import UNIVERSAL_TAG  # beside DeepSpeed's own tag ("checkpoint", Lightning's choice)
 from training.run.manifest import Manifest, file_sizes, hash_file, verify_files
-
-UNIVERSAL_TAG = "checkpoint_universal"  # beside DeepSpeed's own tag ("checkpoint", Lightning's choice)
-LATEST = "latest_universal"
-CACHE_MANIFEST = "universal_manifest.json"
 
 
 def to_universal(ckpt_dir: Path) -> None:

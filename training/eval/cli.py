@@ -40,7 +40,10 @@ def main(argv: list[str] | None = None) -> int:
                          help="comma-separated harness tasks, e.g. hellaswag,arc_easy (instead of held-out loss)")
     harness.add_argument("--num_fewshot", type=int, default=None, help="few-shot examples (default: the task's)")
     harness.add_argument("--limit", type=int, default=None, help="at most this many examples per task")
-    harness.add_argument("--include_path", default=None, help="a directory of your own YAML task definitions")
+    harness.add_argument("--include_path", default=None,
+                         help="a directory of your own YAML task definitions. They are code: a task's `!function` "
+                              "imports Python from that directory and runs it, so pass only tasks you wrote or "
+                              "trust; a run or checkpoint directory is refused")
     args = ap.parse_args(argv)
 
     if args.tasks:

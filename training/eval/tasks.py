@@ -22,6 +22,7 @@ import io
 import json
 import logging
 import math
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
@@ -37,6 +38,7 @@ from training.errors import UserError
 from training.eval import history
 from training.loggers import write_scalars
 from training.run.dir import RunDir
+from training.run.layout import CHECKPOINTS_DIR, CONFIG_FILE, EVENTS_GLOB, MANIFEST, TMP_PREFIX, step_of_name
 
 log = logging.getLogger(__name__)
 
@@ -61,8 +63,8 @@ class TaskSet:
              include_path: str | None = None, loglikelihood_only: bool = False) -> TaskSet:
         """The tasks `names` (harness names or those of YAML files under `include_path`), configured as the
         harness's `simple_evaluate` configures them. `loglikelihood_only`: refuse generation tasks (the loop)."""
-        if include_path is not None and not Path(include_path).is_dir():
-            raise UserError(f"include_path: '{include_path}' is not a directory of task YAML files")
+        if include_path is not None:
+            check_include_path(Path(include_path))
         manager = TaskManager(include_path=include_path)
         unknown = [t for t in names if not manager.match_tasks([t])]
         if unknown:
@@ -89,6 +91,33 @@ class TaskSet:
         """What the numbers depend on besides the weights (a history skips steps scored with equal settings)."""
         return {"tasks": self.names, "num_fewshot": self.num_fewshot, "limit": self.limit,
                 "include_path": str(Path(self.include_path).resolve()) if self.include_path else None}
+
+
+def check_include_path(path: Path) -> None:
+    """Refuse an include path that is, is inside, or holds a run or checkpoint directory. A task YAML there may say
+    `!function module.name`, which the harness imports from the YAML's directory — Python that runs. The include
+    path is the user's own code; a run or checkpoint directory is data that others (a copied run, a downloaded
+    checkpoint) shaped, so task files are never read from one."""
+    if not path.is_dir():
+        raise UserError(f"include_path: '{path}' is not a directory of task YAML files")
+    path = path.resolve()
+    inside = next((p for p in (path, *path.parents) if _normlab_dir(p)), None)
+    below = None if inside else next((Path(d) for d, _, _ in os.walk(path) if _normlab_dir(Path(d))), None)
+    if inside or below:
+        where = f"is inside {inside}" if inside else f"holds {below}"
+        raise UserError(f"include_path: '{path}' {where}, a normlab run or checkpoint directory; task YAML files can "
+                        "import and run Python (`!function`), so they are never read from one — keep your task "
+                        "definitions in a directory of their own and pass that")
+
+
+def _normlab_dir(path: Path) -> bool:
+    """Whether `path` is a checkpoint (a manifest) or a run (its checkpoints, or its config beside TensorBoard
+    events) — not merely a directory with a config.yaml, as many projects have."""
+    checkpoints = path / CHECKPOINTS_DIR
+    return ((path / MANIFEST).is_file()
+            or (checkpoints.is_dir() and any(step_of_name(p.name) is not None or p.name.startswith(TMP_PREFIX)
+                                             for p in checkpoints.iterdir()))
+            or ((path / CONFIG_FILE).is_file() and any(path.glob(EVENTS_GLOB))))
 
 
 def score(lm: Any, task_set: TaskSet) -> dict[str, Any]:

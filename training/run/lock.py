@@ -5,7 +5,9 @@
 A second process on the same run directory is refused with one line naming the holder (pid, host, command,
 start time) — two fits on one `--name` would otherwise move each other's in-flight saves aside and purge each
 other's checkpoints. The lock is an `flock` on the file, so the kernel drops it when its holder dies, even by
-`kill -9`: a stale lock file never blocks anyone. The file is removed when its holder ends normally.
+`kill -9`: a stale lock file never blocks anyone. The file is removed when its holder ends normally. Anything at
+that path but a regular file of one link (a symbolic or hard link, a directory, a FIFO) is refused in one line,
+never followed: the holder truncates and rewrites the file.
 
 Which process holds it: the job's first rank (training/cluster/rank.py, from the launcher's environment, before any
 process group exists). The ranks of one job are one writer — they write disjoint shards and rank 0 alone decides
@@ -23,6 +25,7 @@ import json
 import logging
 import os
 import socket
+import stat
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -73,7 +76,11 @@ def acquire(run_dir: str | Path, command: str) -> RunLock:
     run_dir.mkdir(parents=True, exist_ok=True)
     path = run_dir / LOCK_FILE
     while True:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fd = open_lock_file(path)
+        except UserError:
+            _remove_empty(made)
+            raise
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -103,6 +110,40 @@ def acquire(run_dir: str | Path, command: str) -> RunLock:
     return RunLock(path, fd, made)
 
 
+def open_lock_file(path: Path) -> int:
+    """Open (or create) the lock file `path` for reading and writing — only a regular file of one link, or a
+    UserError naming it. The lock file is truncated and rewritten: opened through a symlink or as a hard link it
+    would overwrite the file it shares, so links are never followed; a directory or FIFO there (O_NONBLOCK: a
+    FIFO's open would otherwise wait for a writer) is refused in the same line instead of a traceback."""
+    fix = f"remove it (`rm -r {path}`) and run the command again: normlab creates its own lock file there"
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
+    except OSError as err:
+        if err.errno in (errno.ELOOP, errno.EISDIR, errno.ENXIO):
+            what = "a symbolic link" if os.path.islink(path) else _kind(path)
+            raise UserError(f"{path} is {what}, not normlab's lock file: {fix}") from None
+        raise
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode) or info.st_nlink != 1:
+        os.close(fd)
+        what = _kind(path) if not stat.S_ISREG(info.st_mode) else f"a file with {info.st_nlink} hard links"
+        raise UserError(f"{path} is {what}, not normlab's lock file (writing it would change another file): {fix}")
+    return fd
+
+
+def _kind(path: Path) -> str:
+    """What is at `path`, in words (for a refusal)."""
+    try:
+        mode = os.lstat(path).st_mode
+    except OSError:
+        return "unreadable"
+    for test, name in ((stat.S_ISLNK, "a symbolic link"), (stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"),
+                       (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a device"), (stat.S_ISBLK, "a device")):
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
 def _holder(fd: int) -> str:
     """Who holds the lock, as its file records it."""
     try:
@@ -118,7 +159,7 @@ def locked(path: Path, blocking: bool = True) -> Iterator[bool]:
     experiment — released by the kernel if the holder dies, even by kill -9; yields whether it was taken (always
     True when blocking). The file stays: many processes take it in turn."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    fd = open_lock_file(path)
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))

@@ -8,7 +8,9 @@ newer one) are kept in `extra` and written back unchanged.
 
 `files` ({relative path: bytes}) and `sha256` ({relative path: hex digest}) cover every file of the directory
 but the manifest itself; `verify_files` checks both before anything is unpickled, so a truncated, missing or
-altered shard is one error naming it. Every reader of a checkpoint directory goes through `read_verified`.
+altered shard is one error naming it. Every reader of a checkpoint directory goes through `read_verified`, which
+also refuses a file of the directory that a manifest of this version leaves out (the universal-format cache,
+written later under its own manifest, excepted) and a listed path that leads outside the directory.
 
 `manifest_version` (VERSION) marks a manifest written by this normlab, which always records every file's sha256:
 such a manifest listing a file without its digest was edited, and is refused. A manifest without it (an older
@@ -32,7 +34,14 @@ from typing import Any
 from data.atomic import write_text_atomic
 from data.tokenizer import sha256_file
 from training.errors import CheckpointError
-from training.run.layout import LIGHTNING_FILE, MANIFEST
+from training.run.layout import (
+    LIGHTNING_FILE,
+    MANIFEST,
+    TMP_PREFIX,
+    UNIVERSAL_LATEST,
+    UNIVERSAL_MANIFEST,
+    UNIVERSAL_TAG,
+)
 
 log = logging.getLogger(__name__)
 
@@ -184,18 +193,49 @@ def read_verified(ckpt_dir: str | Path, select: Callable[[Manifest], Manifest] |
     reader reads (a resuming rank's files, resume.rank_files) — only those are checked; the whole manifest is
     returned."""
     manifest = Manifest.read(ckpt_dir)
+    if manifest.manifest_version is not None:
+        _check_coverage(Path(ckpt_dir), manifest)
     verify_files(Path(ckpt_dir), manifest if select is None else select(manifest))
     return manifest
+
+
+# Written into a step directory after its manifest, under a manifest of their own (checkpointing/universal.py)
+_OWN_MANIFEST = (UNIVERSAL_TAG, UNIVERSAL_LATEST, UNIVERSAL_MANIFEST, TMP_PREFIX + UNIVERSAL_TAG)
+
+
+def _check_coverage(ckpt_dir: Path, manifest: Manifest) -> None:
+    """A manifest of this version lists every file of its directory with its digest, so any file the loaders
+    would read (model.ckpt, a shard, model_config.json) is checked before it is: one it leaves out was added or
+    edited out later, and is refused rather than read unverified."""
+    for rel in _files(ckpt_dir):
+        listed = rel in manifest.files or rel in manifest.sha256  # (one without its digest: verify_files')
+        if Path(rel).parts[0] not in _OWN_MANIFEST and not listed:
+            raise CheckpointError(f"checkpoint {ckpt_dir} is damaged: its {MANIFEST} (version "
+                                  f"{manifest.manifest_version}) does not list '{rel}', which normlab always records "
+                                  "— the manifest was edited or the file added later; nothing was loaded — use an "
+                                  "earlier checkpoint")
+
+
+def _check_inside(ckpt_dir: Path, manifest: Manifest) -> None:
+    """Every path the manifest lists is relative and stays inside `ckpt_dir`: one that leads out (`../x`, an
+    absolute path) would have the checks, and the loaders' trust, reach a file of another directory."""
+    for rel in sorted({*manifest.files, *manifest.sha256}):
+        parts = Path(rel).parts
+        if not rel or Path(rel).is_absolute() or ".." in parts or not parts:
+            raise CheckpointError(f"checkpoint {ckpt_dir} is damaged: its {MANIFEST} lists '{rel}', which is not a "
+                                  "path inside the checkpoint directory — the manifest was edited; nothing was loaded "
+                                  "— use an earlier checkpoint")
 
 
 def verify_files(ckpt_dir: Path, manifest: Manifest | dict[str, Any]) -> None:
     """Every file the manifest lists is there with its size and content hash: a missing, truncated or altered
     shard fails here, with its name, before anything reads it. Digests missing from a manifest of this version
-    are refused; from an older manifest, only sizes are checked, with a warning. (Files the manifest does not list
-    — e.g. the universal-format cache written later — are not covered; their loading is safe regardless, see
-    safe.py.)"""
+    are refused; from an older manifest, only sizes are checked, with a warning. A listed path outside `ckpt_dir`
+    is refused. (Files this manifest does not list are `read_verified`'s to refuse: here the manifest may be one
+    rank's part of it.)"""
     if isinstance(manifest, dict):
         manifest = Manifest.from_dict(manifest)
+    _check_inside(ckpt_dir, manifest)
     unhashed = sorted(set(manifest.files) - set(manifest.sha256))
     if manifest.manifest_version is not None and (unhashed or not manifest.files):
         what = f"'{unhashed[0]}' without its {HASH}" if unhashed else "no files"

@@ -43,7 +43,7 @@ from typing import Any
 
 from data.atomic import write_text_atomic
 from training.cluster.failure import LOST_RANK
-from training.cluster.requeue import requeue
+from training.cluster.requeue import requeue, requeue_history
 from training.cluster.signals import WARNING_SIGNALS
 from training.errors import UserError
 from training.run.dir import RunDir
@@ -240,7 +240,7 @@ def task_main(argv: list[str]) -> int:
     restart = int(os.environ.get("SLURM_RESTART_COUNT", "0"))
     log.info("%s: %s (restart %d)", run.rel, status, restart)
     record = RunDir(run_dir).record or {}
-    already = any(r.get("restart") == restart for r in RunDir(run_dir).requeues)  # (the fit's own requeue)
+    already = any(r.get("restart") == restart for r in requeue_history(run_dir))  # (the fit's own requeue)
     if status == "failed" and not task.received and not already and lost_rank(record.get("exit_code", 0), run_dir,
                                                                                  log_from):
         step = RunDir(run_dir).progress()[0]

@@ -14,6 +14,7 @@ from typing import Any
 
 import yaml
 
+from training import safe_yaml
 from training.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -37,8 +38,9 @@ def config_files(argv: list[str]) -> list[str]:
 
 def check_config_files(argv: list[str]) -> None:
     """Every `-c FILE` that names a file holds a YAML mapping of UTF-8 text, and has the sha256 a sweep recorded
-    for it when it started this run (`CONFIG_HASHES_ENV`, set by training/sweep/launch.py), if any. (A value that
-    is not a file is left to the parser, which also takes inline YAML there.)"""
+    for it when it started this run (`CONFIG_HASHES_ENV`, set by training/sweep/launch.py), if any; read through
+    the bounded YAML loader (training/safe_yaml.py) before jsonargparse reads it unbounded. (A value that is not a
+    file is left to the parser, which also takes inline YAML there.)"""
     expected = json.loads(os.environ.get(CONFIG_HASHES_ENV) or "{}")
     for name in config_files(argv):
         path = Path(name)
@@ -55,7 +57,7 @@ def check_config_files(argv: list[str]) -> None:
             raise UserError(f"{where}: not a UTF-8 text file (byte {err.start} is {data[err.start]:#04x}); give a "
                             "YAML config file") from None
         try:
-            config = yaml.safe_load(text)
+            config = safe_yaml.load(text, where)
         except yaml.YAMLError as err:
             raise UserError(f"{where}: not valid YAML ({' '.join(str(err).split())})") from None
         if config is None:

@@ -64,6 +64,8 @@ ROWS: dict[str, tuple[str, list[str]]] = {
     "config_python_tag": (f"{FIT} -c {{bad}}/pytag.yaml", ["pytag.yaml: not valid YAML", "python/object/apply"]),
     "config_alias_bomb": (f"{FIT} -c {{bad}}/bomb.yaml", ["-c ", "bomb.yaml: its YAML aliases", "100,000 values"]),
     "config_nested_too_deep": (f"{FIT} -c {{bad}}/deep.yaml", ["deep.yaml: YAML nested deeper than 64 levels"]),
+    "config_names_an_alias_bomb": (f"{FIT} -c {{bad}}/names_bomb.yaml",
+                                   ["bomb.yaml (named in -c ", "names_bomb.yaml): its YAML aliases"]),
     "data_path_a_file": (f"{FIT} --data.path {{bad}}/nonutf8.yaml", ["no prepared data at", "normlab prepare"]),
     "ckpt_path_a_yaml_file": (f"{FIT} --ckpt_path {{run}}/config.yaml",
                               ["config.yaml' is not a checkpoint file", "step directory"]),
@@ -134,6 +136,7 @@ def craft(bad: Path, run: Path, ckpt: Path) -> None:
     bad.mkdir()
     (bad / "bomb.yaml").write_text(BOMB)
     (bad / "deep.yaml").write_text("model: " + "[" * 100 + "]" * 100 + "\n")
+    (bad / "names_bomb.yaml").write_text("optim: bomb.yaml\n")  # a nested config file (relative to this one)
     (bad / "nonutf8.yaml").write_bytes(b"optim:\n  lr: 0.001\xff\xfe\n")
     (bad / "binary.yaml").write_bytes(bytes(range(256)))
     (bad / "empty.yaml").write_text("")

@@ -56,6 +56,9 @@ ROWS: dict[str, tuple[str, list[str]]] = {
                          ["never ends", "--optim.decay_steps"]),
     "every_n_steps_negative": (f"{FIT} --checkpoint.every_n_steps -2", ["checkpoint.every_n_steps=-2 must be >= 0"]),
     "min_lr_above_lr": (f"{FIT} --optim.min_lr 0.5", ["0 <= min_lr <= lr", "min_lr=0.5"]),
+    "cluster_timeout_overflows": (f"{FIT} --cluster.timeout_s 1e300", ["cluster.timeout_s=1e+300 must be between 1 "
+                                                                        "and 604800 seconds"]),
+    "cluster_timeout_below_a_second": (f"{FIT} --cluster.timeout_s 0.0001", ["cluster.timeout_s=0.0001 must be"]),
     "devices_zero": (f"{FIT} --trainer.devices 0", ["devices"]),
     # fit: files and paths
     "config_not_utf8": (f"{FIT} -c {{bad}}/nonutf8.yaml", ["-c ", "nonutf8.yaml: not a UTF-8 text file (byte 18"]),

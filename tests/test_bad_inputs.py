@@ -217,9 +217,11 @@ def test_bad_input_is_one_line_and_writes_nothing(row, inputs, tmp_path, capsys,
     assert not (inputs["bad"] / "MARKER").exists()  # no code from a crafted file ran
 
 
-def test_a_warm_up_the_run_never_finishes_trains_with_a_warning(inputs, tmp_path, caplog):
+def test_a_warm_up_the_run_never_finishes_trains_with_a_warning(inputs, tmp_path, caplog, capsys,
+                                                                 lightning_to_capsys):
     """`--optim.warmup_steps` at or above `--trainer.max_steps` (without decay_steps) is trained as given — a quick
-    run of the default job does it — with one warning line saying how far the LR gets."""
+    run of the default job does it — with one warning line saying how far the LR gets. The start-up lines held
+    until the start's checks passed (the warning, Lightning's seed) are printed once they have."""
     with caplog.at_level("WARNING", logger="training.cli_checks"):
         assert main(["fit", "-c", TINY, "--data.path", str(inputs["data"]), "--runs_dir", str(tmp_path), "--name",
                      "warm", "--trainer.max_steps", "2", "--optim.warmup_steps", "8", "--trainer.logger", "false",
@@ -227,6 +229,8 @@ def test_a_warm_up_the_run_never_finishes_trains_with_a_warning(inputs, tmp_path
     assert [r.getMessage() for r in caplog.records] == [
         "optim.warmup_steps 8 is not below trainer.max_steps 2: the LR never finishes its warm-up (it ends at 0.25 "
         "of optim.lr); lower --optim.warmup_steps to train at the LR given"]
+    err = capsys.readouterr().err
+    assert "Seed set to 1234\n" in err and "optim.warmup_steps 8 is not below trainer.max_steps 2" in err, err
 
 
 def test_every_yaml_read_is_bounded():

@@ -4,11 +4,13 @@ something else than asked). Each failure is one UserError naming the flag or fil
 """
 from __future__ import annotations
 
+import difflib
 import hashlib
 import json
 import logging
 import math
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -154,3 +156,47 @@ def check_trainer(subcommand: str, trainer: Any, optim: Any, warn: bool = True) 
         log.warning("optim.warmup_steps %d is not below trainer.max_steps %d: the LR never finishes its warm-up "
                     "(it ends at %.3g of optim.lr); lower --optim.warmup_steps to train at the LR given",
                     optim.warmup_steps, max_steps, max_steps / optim.warmup_steps)
+
+
+def unknown_option(message: str, options: list[str], argv: list[str], command: str) -> str | None:
+    """For a parse error `message` about options the parser does not know — `unrecognized arguments: --x 1` (a flag)
+    or `... does not accept option 'x'` (a key of a -c file, or of a group given as YAML) — the one line naming
+    each, the -c file it came from, and the nearest of `options` (the parser's flags, `--group.key`); else None."""
+    prefix = "unrecognized arguments:"
+    if message.startswith(prefix):
+        flags = [word.split("=", 1)[0] for word in message[len(prefix):].split() if word.startswith("-")]
+        return "; ".join(f"{flag} is not an option of normlab {command}{_did_you_mean(flag, options, '--')}"
+                         for flag in flags) + f" (normlab {command} --help lists the options)" if flags else None
+    found = re.search(r"does not accept option '([^']+)'", message)
+    if found is None:
+        return None
+    key = found.group(1)
+    files = [name for name in config_files(argv) if key in _flat_keys(_parsed(Path(name)))]
+    where = f"-c {files[-1]}: " if files else ""
+    return (f"{where}{key} is not an option of normlab {command}{_did_you_mean(key, options, '')} (normlab "
+            f"{command} --help lists the options)")
+
+
+def _did_you_mean(typed: str, options: list[str], dashes: str) -> str:
+    """`: did you mean --group.key?` for the option nearest `typed` (hyphens read as underscores; a bare name such
+    as `--max-steps` matched against the options' last parts), or "" when none is near."""
+    keys = [o.lstrip("-") for o in options]
+    name = typed.lstrip("-").replace("-", "_")
+    by_full = difflib.get_close_matches(name, keys, n=1, cutoff=0.75)
+    leaves: dict[str, list[str]] = {}
+    for key in keys:
+        leaves.setdefault(key.rsplit(".", 1)[-1], []).append(key)
+    leaf = difflib.get_close_matches(name.rsplit(".", 1)[-1], list(leaves), n=1, cutoff=0.8)
+    by_leaf = leaves[leaf[0]] if leaf and len(leaves[leaf[0]]) == 1 else []
+    best = (by_full or by_leaf) if "." in name else (by_leaf or by_full)
+    return f": did you mean {dashes}{best[0]}?" if best else ""
+
+
+def _flat_keys(config: Any, prefix: str = "") -> set[str]:
+    """The dotted keys of a nested mapping, its groups' included (`model`, `model.norm`)."""
+    if not isinstance(config, dict):
+        return set()
+    keys: set[str] = set()
+    for key, value in config.items():
+        keys |= {f"{prefix}{key}"} | _flat_keys(value, f"{prefix}{key}.")
+    return keys

@@ -160,17 +160,20 @@ def check_trainer(subcommand: str, trainer: Any, optim: Any, warn: bool = True) 
 
 def unknown_option(message: str, options: list[str], argv: list[str], command: str) -> str | None:
     """For a parse error `message` about options the parser does not know — `unrecognized arguments: --x 1` (a flag)
-    or `... does not accept option 'x'` (a key of a -c file, or of a group given as YAML) — the one line naming
-    each, the -c file it came from, and the nearest of `options` (the parser's flags, `--group.key`); else None."""
+    or `... does not accept option 'x'` / `Option 'x' is not accepted` (a key of a -c file, or of a group given as
+    YAML) — the one line naming each, the -c file it came from, and the nearest of `options` (the parser's flags,
+    `--group.key`); else None."""
     prefix = "unrecognized arguments:"
     if message.startswith(prefix):
         flags = [word.split("=", 1)[0] for word in message[len(prefix):].split() if word.startswith("-")]
         return "; ".join(f"{flag} is not an option of normlab {command}{_did_you_mean(flag, options, '--')}"
                          for flag in flags) + f" (normlab {command} --help lists the options)" if flags else None
-    found = re.search(r"does not accept option '([^']+)'", message)
+    found = (re.search(r"(?:Group '([^']+)' )?does not accept option '([^']+)'", message)
+             or re.search(r"()Option '([^']+)' is not accepted", message))
     if found is None:
         return None
-    key = found.group(1)
+    group, key = found.groups()  # (a group's own check names the key within it)
+    key = f"{group}.{key}" if group and not key.startswith(f"{group}.") else key
     files = [name for name in config_files(argv) if key in _flat_keys(_parsed(Path(name)))]
     where = f"-c {files[-1]}: " if files else ""
     return (f"{where}{key} is not an option of normlab {command}{_did_you_mean(key, options, '')} (normlab "

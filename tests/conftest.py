@@ -1,6 +1,8 @@
 """Test-session setup shared by every test module."""
+import logging
 import os
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -67,3 +69,22 @@ def docmask_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
                  "--data.document_mask", "true", "--runs_dir", str(root / "runs"), "--name", "docmask",
                  "--trainer.max_steps", "4", "--data.seq_len", "32", "--metrics.every_n_steps", "2"], cwd=root)
     return root / "runs" / "docmask"
+
+
+class _StderrNow(logging.StreamHandler):
+    """A stream handler writing to whatever sys.stderr is at each record (capsys swaps it between phases)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.stream = sys.stderr
+        super().emit(record)
+
+
+@pytest.fixture
+def lightning_to_capsys(capsys, monkeypatch) -> None:
+    """Lightning's log lines (`Seed set to ...`, the accelerators found) on the stderr capsys captures, as a user's
+    console gets them: outside pytest Lightning gives its loggers a stream handler of their own; under pytest,
+    whose handlers the root logger holds, it lets them propagate there instead, out of capsys' sight."""
+    for name in ("lightning.pytorch", "lightning.fabric"):
+        logger = logging.getLogger(name)
+        monkeypatch.setattr(logger, "handlers", [_StderrNow()])
+        monkeypatch.setattr(logger, "propagate", False)

@@ -8,6 +8,7 @@ a warning (below), `--data.val_batches 0` validates nothing (tests/test_data_dat
 from __future__ import annotations
 
 import pickle
+import re
 import shutil
 from pathlib import Path
 
@@ -58,12 +59,19 @@ ROWS: dict[str, tuple[str, list[str]]] = {
     "console_every_n_steps_negative": (f"{FIT} --console.every_n_steps -1",
                                        ["console.every_n_steps=-1 must be >= 0"]),
     "min_lr_above_lr": (f"{FIT} --optim.min_lr 0.5", ["0 <= min_lr <= lr", "min_lr=0.5"]),
+    "cluster_timeout_overflows": (f"{FIT} --cluster.timeout_s 1e300", ["cluster.timeout_s=1e+300 must be between 1 "
+                                                                        "and 604800 seconds"]),
+    "cluster_timeout_below_a_second": (f"{FIT} --cluster.timeout_s 0.0001", ["cluster.timeout_s=0.0001 must be"]),
     "devices_zero": (f"{FIT} --trainer.devices 0", ["devices"]),
     # fit: files and paths
     "config_not_utf8": (f"{FIT} -c {{bad}}/nonutf8.yaml", ["-c ", "nonutf8.yaml: not a UTF-8 text file (byte 18"]),
     "config_binary": (f"{FIT} -c {{bad}}/binary.yaml", ["binary.yaml: not a UTF-8 text file"]),
     "config_empty": (f"{FIT} -c {{bad}}/empty.yaml", ["empty.yaml: the file is empty"]),
     "config_python_tag": (f"{FIT} -c {{bad}}/pytag.yaml", ["pytag.yaml: not valid YAML", "python/object/apply"]),
+    "config_alias_bomb": (f"{FIT} -c {{bad}}/bomb.yaml", ["-c ", "bomb.yaml: its YAML aliases", "100,000 values"]),
+    "config_nested_too_deep": (f"{FIT} -c {{bad}}/deep.yaml", ["deep.yaml: YAML nested deeper than 64 levels"]),
+    "config_names_an_alias_bomb": (f"{FIT} -c {{bad}}/names_bomb.yaml",
+                                   ["bomb.yaml (named in -c ", "names_bomb.yaml): its YAML aliases"]),
     "data_path_a_file": (f"{FIT} --data.path {{bad}}/nonutf8.yaml", ["no prepared data at", "normlab prepare"]),
     "ckpt_path_a_yaml_file": (f"{FIT} --ckpt_path {{run}}/config.yaml",
                               ["config.yaml' is not a checkpoint file", "step directory"]),
@@ -80,6 +88,7 @@ ROWS: dict[str, tuple[str, list[str]]] = {
     "sweep_spec_not_utf8": ("sweep {bad}/spec_nonutf8.yaml --dry_run", ["spec_nonutf8.yaml': not a UTF-8 text file"]),
     "sweep_seed_twice": ("sweep {bad}/spec_seeds.yaml --dry_run", ["seeds"]),
     "sweep_unknown_baseline": ("sweep {bad}/spec_baseline.yaml --dry_run", ["baseline", "placement=mid"]),
+    "sweep_spec_alias_bomb": ("sweep {bad}/bomb.yaml --dry_run", ["sweep spec '", "bomb.yaml': its YAML aliases"]),
     "sweep_spec_a_list": ("sweep {bad}/spec_list.yaml --dry_run", ["must be a YAML mapping"]),
     "sweep_spec_a_directory": ("sweep {bad} --dry_run", ["cannot be read"]),
     "sweep_same_value_twice": ("sweep {bad}/spec_dup.yaml --dry_run", ["grid.optim.lr lists a value twice"]),
@@ -92,6 +101,8 @@ ROWS: dict[str, tuple[str, list[str]]] = {
                               ["sweep-run.json' holds a list, not a mapping"]),
     "compare_config_binary": ("compare {bad}/config_binary {run} --plot {out}/c.png",
                               ["config.yaml' cannot be read (UnicodeDecodeError"]),
+    "compare_config_alias_bomb": ("compare {bad}/config_bomb {run} --plot {out}/c.png",
+                                  ["config_bomb/config.yaml' cannot be read", "aliases", "expand to more than"]),
     "compare_config_not_yaml": ("compare {bad}/config_unclosed {run} --plot {out}/c.png",
                                 ["config.yaml' cannot be read", "restore it"]),
     "compare_unknown_key": ("compare {run} {run} --group_by no.such.key --plot {out}/c.png",
@@ -124,9 +135,17 @@ def spec(text: str) -> str:
             + text)
 
 
+# "Billion laughs": each line lists the previous one ten times (a million values in six short lines)
+BOMB = "a0: &a0 [lol, lol, lol, lol, lol, lol, lol, lol, lol, lol]\n" + "".join(
+    f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 10)}]\n" for i in range(1, 6))
+
+
 def craft(bad: Path, run: Path, ckpt: Path) -> None:
     """The crafted inputs, in `bad`."""
     bad.mkdir()
+    (bad / "bomb.yaml").write_text(BOMB)
+    (bad / "deep.yaml").write_text("model: " + "[" * 100 + "]" * 100 + "\n")
+    (bad / "names_bomb.yaml").write_text("optim: bomb.yaml\n")  # a nested config file (relative to this one)
     (bad / "nonutf8.yaml").write_bytes(b"optim:\n  lr: 0.001\xff\xfe\n")
     (bad / "binary.yaml").write_bytes(bytes(range(256)))
     (bad / "empty.yaml").write_text("")
@@ -143,7 +162,8 @@ def craft(bad: Path, run: Path, ckpt: Path) -> None:
     (bad / "spec_ok.yaml").write_text(spec("grid: {model.placement: [pre, post]}\n"))
     for name, file, content in (("record_bad", "sweep-run.json", b"{bad"), ("record_list", "sweep-run.json", b"[1]"),
                                 ("config_binary", "config.yaml", bytes(range(256))),
-                                ("config_unclosed", "config.yaml", b"a: [unclosed\n")):
+                                ("config_unclosed", "config.yaml", b"a: [unclosed\n"),
+                                ("config_bomb", "config.yaml", BOMB.encode())):
         shutil.copytree(run, bad / name)
         (bad / name / file).write_bytes(content)
     (bad / "empty_dir").mkdir()
@@ -206,9 +226,11 @@ def test_bad_input_is_one_line_and_writes_nothing(row, inputs, tmp_path, capsys,
     assert not (inputs["bad"] / "MARKER").exists()  # no code from a crafted file ran
 
 
-def test_a_warm_up_the_run_never_finishes_trains_with_a_warning(inputs, tmp_path, caplog):
+def test_a_warm_up_the_run_never_finishes_trains_with_a_warning(inputs, tmp_path, caplog, capsys,
+                                                                 lightning_to_capsys):
     """`--optim.warmup_steps` at or above `--trainer.max_steps` (without decay_steps) is trained as given — a quick
-    run of the default job does it — with one warning line saying how far the LR gets."""
+    run of the default job does it — with one warning line saying how far the LR gets. The start-up lines held
+    until the start's checks passed (the warning, Lightning's seed) are printed once they have."""
     with caplog.at_level("WARNING", logger="training.cli_checks"):
         assert main(["fit", "-c", TINY, "--data.path", str(inputs["data"]), "--runs_dir", str(tmp_path), "--name",
                      "warm", "--trainer.max_steps", "2", "--optim.warmup_steps", "8", "--trainer.logger", "false",
@@ -216,3 +238,20 @@ def test_a_warm_up_the_run_never_finishes_trains_with_a_warning(inputs, tmp_path
     assert [r.getMessage() for r in caplog.records] == [
         "optim.warmup_steps 8 is not below trainer.max_steps 2: the LR never finishes its warm-up (it ends at 0.25 "
         "of optim.lr); lower --optim.warmup_steps to train at the LR given"]
+    err = capsys.readouterr().err
+    assert "Seed set to 1234\n" in err and "optim.warmup_steps 8 is not below trainer.max_steps 2" in err, err
+
+
+def test_every_yaml_read_is_bounded():
+    """One YAML reader (training/safe_yaml.py): no other module of normlab parses YAML itself, so none can be fed
+    an alias bomb; and a config using anchors, aliases and merge keys as configs do still loads."""
+    from training import safe_yaml
+
+    readers = re.compile(r"(?<!\w)yaml\.((safe_|full_|unsafe_)?load(_all)?|compose)\(")
+    direct = sorted(str(p.relative_to(REPO)) for root in ("training", "data", "model") for p in (REPO / root).rglob(
+        "*.py") if readers.search(p.read_text()))
+    assert direct == ["training/safe_yaml.py"]
+    text = "base: &b {lr: 0.001, betas: [0.9, 0.95]}\nlow: {<<: *b, lr: 0.0001}\nsame: *b\n"
+    assert safe_yaml.load(text, "x") == {"base": {"lr": 0.001, "betas": [0.9, 0.95]},
+                                         "low": {"lr": 0.0001, "betas": [0.9, 0.95]},
+                                         "same": {"lr": 0.001, "betas": [0.9, 0.95]}}

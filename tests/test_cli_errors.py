@@ -20,6 +20,7 @@ from tests.helpers.multiproc import REPO
 from training.cli import COMMANDS, main
 from training.errors import DEBUG_ENV, UserError
 from training.run import layout
+from training.subcommands import LIGHTNING_SUBCOMMANDS
 
 pytestmark = pytest.mark.filterwarnings("ignore:LightningCLI's args parameter")
 
@@ -72,7 +73,14 @@ CASES = {
     "zero_batch": ("fit --data.batch_size 0", ["batch_size must be at least 1, got 0"]),
     "negative_max_steps": ("fit --trainer.max_steps -3", ["max_steps", "-3"]),
     "not_a_number": ("fit --model.dim abc", ["model.dim", "abc"]),
-    "unknown_flag": ("fit --model.dimm 3", ["--model.dimm"]),
+    "unknown_flag": ("fit --model.dimm 3", ["--model.dimm is not an option of normlab fit: did you mean --model.dim?"]),
+    "mistyped_flag": ("fit --model.placment post", ["--model.placment is not an option of normlab fit: did you mean "
+                                                    "--model.placement?", "normlab fit --help"]),
+    "flag_without_its_group": ("fit --max-steps 3", ["--max-steps is not an option",
+                                                     "did you mean --trainer.max_steps?"]),
+    "mistyped_key_in_a_config_file": ("fit -c {runs}/typo.yaml", ["-c ", "typo.yaml: model.placment is not an "
+                                                                  "option of normlab fit: did you mean "
+                                                                  "model.placement?"]),
     "missing_data": ("fit --data.path {runs}/nothing-here", ["no prepared data at", "normlab prepare"]),
     "run_has_checkpoints": ("fit --name taken", ["already holds checkpoints", "--ckpt_path last"]),
     "run_logged_without_checkpoints": ("fit --name logged", ["logged already holds a run (config.yaml, TensorBoard "
@@ -121,7 +129,9 @@ def files_under(path: Path) -> set[Path]:
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_user_error_is_one_line(case, workdir, tmp_path, state_dict_file, capsys, monkeypatch):
+def test_user_error_is_one_line(case, workdir, tmp_path, state_dict_file, capsys, lightning_to_capsys, monkeypatch):
+    """The error line is all a refused fit, validate or test prints: no start-up line (Lightning's seed, the
+    accelerators found, a config warning) before it."""
     monkeypatch.delenv(DEBUG_ENV, raising=False)
     line, expected = CASES[case]
     runs = tmp_path / "runs"
@@ -131,6 +141,7 @@ def test_user_error_is_one_line(case, workdir, tmp_path, state_dict_file, capsys
     (runs / "a-file").write_text("not a directory")
     (tmp_path / "elsewhere").mkdir()
     (runs / "away").symlink_to(tmp_path / "elsewhere", target_is_directory=True)  # a link out of --runs_dir
+    (runs / "typo.yaml").write_text("model:\n  placment: post\n")
     before = files_under(tmp_path)
     code = main(argv_of(line, workdir, runs, state_dict_file))
     out, err = capsys.readouterr()
@@ -138,6 +149,8 @@ def test_user_error_is_one_line(case, workdir, tmp_path, state_dict_file, capsys
     command = line.split()[0]
     assert code == 2, err
     assert lines and lines[-1].startswith(f"normlab {command}: error: "), err
+    if command in LIGHTNING_SUBCOMMANDS:  # (a plain command may say what it loaded before it refuses)
+        assert len(lines) == 1, err
     assert "Traceback" not in err and out == "", err
     for part in expected:
         assert part in lines[-1], lines[-1]

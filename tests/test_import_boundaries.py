@@ -151,6 +151,7 @@ def test_the_cycle_check_sees_a_lazy_cycle():
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("model", "data"),
     ("training.errors", "training.stats", "training.plotting", "training.subcommands", "training.health_tags"),
+    ("training.safe_yaml",),  # the one YAML reader, of every layer above
     ("training.run", "training.optim", "training.compat", "training.distributed", "training.cli_checks"),
     ("training.cluster", "training.precision", "training.loggers"),  # run-time services of a fit
     ("training.console", "training.checkpointing", "training.study", "training.coordcheck"),

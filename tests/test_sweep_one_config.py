@@ -19,6 +19,7 @@ from training.cli_checks import CONFIG_HASHES_ENV
 from training.errors import DEBUG_ENV, UserError
 from training.run.dir import RunDir
 from training.run.layout import RUN_RECORD
+from training.sweep.launch import config_hashes
 from training.sweep.results import check_one_config_per_cell
 from training.sweep.runner import Snapshot
 from training.sweep.spec import load_spec
@@ -79,6 +80,33 @@ def test_a_fit_refuses_a_config_file_edited_after_its_sweep_recorded_it(workdir,
     cfg.write_text("optim:\n  lr: 0.02\n")  # the content recorded: the same fit starts
     assert main([*argv, "--checkpoint.every_n_steps", "0", "--trainer.logger", "false"]) == 0
 
+
+def test_a_config_file_named_inside_a_c_file_is_part_of_its_hash(workdir, tmp_path, capsys, monkeypatch):
+    """`optim: opt.yaml` in a -c file is read by the parser as opt.yaml's contents: an edit of opt.yaml changes what
+    a run trains as an edit of the -c file does, so the sweep's hashes, its snapshot and a fit's check all see it."""
+    monkeypatch.delenv(DEBUG_ENV, raising=False)
+    spec_path, cfg = write_spec(tmp_path, [0, 1])
+    (tmp_path / "conf").mkdir()
+    opt = tmp_path / "conf" / "opt.yaml"  # named relative to the directory of the file naming it
+    opt.write_text("lr: 0.001\n")
+    cfg.write_text("optim: conf/opt.yaml\n")
+    spec = load_spec(spec_path)
+    hashes, snapshot = config_hashes(spec), Snapshot.take(spec, spec.runs())
+    assert hashes[str(cfg)] != hashlib.sha256(cfg.read_bytes()).hexdigest()  # the nested file is in it
+    opt.write_text("lr: 0.02\n")
+    assert config_hashes(spec) != hashes
+    with pytest.raises(UserError, match=rf"^{cfg} was edited since this sweep started"):
+        snapshot.check(spec.runs()[1])
+    monkeypatch.setenv(CONFIG_HASHES_ENV, json.dumps(hashes))
+    assert main(["fit", "-c", str(TINY), "-c", str(cfg), "--data.path", str(workdir / "tiny"), "--runs_dir",
+                 str(tmp_path / "runs"), "--trainer.max_steps", "1"]) == 2
+    assert capsys.readouterr().err == (
+        f"normlab fit: error: -c {cfg} (or a config file it names: {opt}) was edited after `normlab sweep` recorded "
+        "this run's config: a sweep trains one config; restore the file, or give the edited spec a new name\n")
+    assert not (tmp_path / "runs").exists()
+    opt.write_text("lr: 0.001\n")
+    assert config_hashes(spec) == hashes
+    snapshot.check(spec.runs()[1])  # restored: the same config again
 
 def record(work: Path, rel: str, lr_file_text: str, lr: str = "0.001") -> None:
     """The record `normlab sweep` keeps of a finished run: its command and the sha256 of its -c file."""

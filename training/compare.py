@@ -34,9 +34,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import yaml
 
-from training import health_tags
+from training import health_tags, safe_yaml
 from training.errors import UserError
 from training.eval import metrics
 from training.plotting import pyplot, save_figure
@@ -191,7 +190,7 @@ def outcome_flags(values: list[list[str]] | None) -> dict[str, dict[str, Any]]:
         if any(len(p) != 2 for p in pairs):
             raise UserError(f"--outcome {name}: give its settings as KEY=VALUE, e.g. --outcome spikes window=50 "
                             "threshold=6 margin=1")
-        raw[name] = {k: yaml.safe_load(v) for k, v in pairs}
+        raw[name] = {k: safe_yaml.load(v, f"--outcome {name} {k}") for k, v in pairs}
     try:
         return parse_outcomes(raw)
     except ValueError as err:

@@ -191,7 +191,8 @@ PATCHES: dict[str, Patch] = {p.target: p for p in [
     # -- the command line and data ------------------------------------------------------------------------------
     Patch("lightning.pytorch.cli:LightningCLI._parser",
           "the running subcommand's parser, for its defaults: `fit --init_from` takes the model fields left at their "
-          "defaults from the source (NormlabCLI._subcommand_defaults)", "lightning", LIGHTNING, "internal"),
+          "defaults from the source (NormlabCLI._subcommand_defaults), and a mistyped option is matched against "
+          "their keys (NormlabCLI._options)", "lightning", LIGHTNING, "internal"),
     Patch("datasets:Dataset._fingerprint",
           "how `datasets` identifies a Hub dataset's content (from its cache files): `normlab prepare` records it "
           "so a rebuild knows whether its input changed (data/prepare.py)", "datasets", ">=3.0", "internal"),

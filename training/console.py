@@ -110,3 +110,59 @@ def setup_logging() -> None:
             logger.addHandler(handler)
             logger.setLevel(logging.INFO)
             logger.propagate = False  # a command's own basicConfig must not print each line twice
+
+
+class StartupLines:
+    """Holds the lines a run prints while it starts — Lightning's start-up report (`Seed set to ...`, which
+    accelerators it found) and normlab's warnings about the config — until `release`, once every check of the
+    start has passed: a start refused for bad input then prints its one error line and nothing before it
+    (`drop`). Installed on the handlers of Lightning's loggers and of normlab's own; other records pass."""
+
+    HELD = ("lightning.", "training.cli_checks")
+
+    def __init__(self) -> None:
+        self.held: list[tuple[logging.Handler, logging.LogRecord]] = []
+        self.handlers: list[logging.Handler] = []
+
+    def holds(self, record: logging.LogRecord) -> bool:
+        return record.name.startswith(self.HELD)
+
+    @classmethod
+    def hold(cls) -> StartupLines:
+        """Hold from now on (not under NORMLAB_DEBUG, where every line prints as it comes)."""
+        lines = cls()
+        if debug():
+            return lines
+        for name in ("lightning.pytorch", "lightning.fabric", "training"):
+            for handler in logging.getLogger(name).handlers:
+                handler.addFilter(_Holder(lines, handler))
+                lines.handlers.append(handler)
+        return lines
+
+    def release(self) -> None:
+        """Print the held lines (each by the handler that held it) and stop holding."""
+        held, self.held = self.held, []
+        self.drop()
+        for handler, record in held:
+            handler.handle(record)
+
+    def drop(self) -> None:
+        """Stop holding, printing nothing held (a refused start: its error line says all)."""
+        for handler in self.handlers:
+            for f in [f for f in handler.filters if isinstance(f, _Holder) and f.lines is self]:
+                handler.removeFilter(f)
+        self.handlers, self.held = [], []
+
+
+class _Holder(logging.Filter):
+    """`StartupLines`' filter on one handler: keeps the held records with the handler to print them."""
+
+    def __init__(self, lines: StartupLines, handler: logging.Handler) -> None:
+        super().__init__()
+        self.lines, self.handler = lines, handler
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not self.lines.holds(record):
+            return True
+        self.lines.held.append((self.handler, record))
+        return False

@@ -56,6 +56,7 @@ from training.cluster.config import ClusterConfig, with_timeout
 from training.cluster.rank import is_first_rank
 from training.cluster.stop import StopOnSignal
 from training.cluster.timeout import CollectiveTimeout
+from training.console import StartupLines
 from training.distributed import is_deepspeed, is_fsdp2
 from training.errors import UserError, is_user_error
 from training.fsdp2 import FSDP2  # registers fsdp2
@@ -111,9 +112,15 @@ class NormlabCLI(LightningCLI):
         self.plan: RunPlan | None = None  # set before the classes are built (before_instantiate_classes)
         self._init_source: init_from.Source | None = None  # --init_from's source, prepared there too
         self.lock: RunLock | None = None  # the run directory's, held by the job's first rank while it runs
+        self.startup = StartupLines.hold()  # printed once the start's checks passed (`_started`)
         try:
             self._run_cli(args)
+        except Exception as err:
+            if not is_user_error(err):
+                self.startup.release()  # a crash: every line before its traceback
+            raise
         finally:
+            self.startup.drop()  # a refused start: its one error line, nothing before it
             if self.lock is not None:
                 self.lock.release()
 
@@ -139,12 +146,20 @@ class NormlabCLI(LightningCLI):
         compat.require("lightning.pytorch.cli:LightningCLI._parser")
         return self._parser(self.subcommand).get_defaults()
 
+    def _options(self, subcommand: str) -> list[str]:
+        """Every flag of `subcommand` (`--group.key`): what a mistyped one is matched against."""
+        compat.require("lightning.pytorch.cli:LightningCLI._parser")
+        return [f"--{key}" for key in self._parser(subcommand).get_defaults().keys() if not key.startswith("__")]
+
     def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
         try:
             super().parse_arguments(parser, args)
-        except argparse.ArgumentError as err:  # an old name of a renamed option: say what it is called now
-            hint = renamed_option(str(err))
-            if hint is None:
+        except argparse.ArgumentError as err:  # an old name of a renamed option, or a typo: say what it is called
+            argv = list(sys.argv[1:] if args is None else args)
+            command = next((a for a in argv if a in LIGHTNING_SUBCOMMANDS), None)
+            hint = renamed_option(str(err)) or (command and cli_checks.unknown_option(
+                str(err), self._options(command), argv, command))
+            if not hint:
                 raise
             raise UserError(hint) from err
         # LightningCLI next reads a `--ckpt_path` file's hyper-parameters (weights-only, but a refused file would be
@@ -312,6 +327,7 @@ class NormlabCLI(LightningCLI):
                                   action=self.subcommand)
             resume.refuse_code(ckpt_dir)
         start_wandb(self.trainer.loggers)
+        self.startup.release()  # every check passed: the start-up report (seed, accelerators) is the run's
 
     before_validate = before_test = _check_checkpoint
 
@@ -340,6 +356,7 @@ class NormlabCLI(LightningCLI):
         if is_first_rank():
             log_world_line(self.trainer, self.datamodule)  # several processes: the global batch they make
         start_wandb(self.trainer.loggers)  # last: every check above passed
+        self.startup.release()  # the start-up report (seed, accelerators) is the run's now
 
     def after_fit(self) -> None:
         log_closing_lines(self.trainer, Path(self.trainer.default_root_dir) / layout.CONFIG_FILE)

@@ -1,9 +1,9 @@
 """`normlab fit`'s `cluster.*` group (`ClusterConfig`), and the collective timeout on the trainer's strategy.
 
-- `timeout_s`: how long a collective may wait for the other ranks. A rank that stops responding (a hung process,
-  a lost node) then ends the job with one line naming this rank and the collective (failure.py), instead of
-  holding every GPU until the time limit. Lightning and DeepSpeed default to 30 minutes; 10 here, which a save of
-  a 1B model's shards to a shared filesystem stays well inside.
+- `timeout_s`: how long a collective may wait for the other ranks (1 s to 7 days). A rank that stops responding
+  (a hung process, a lost node) then ends the job with one line naming this rank and the collective (failure.py),
+  instead of holding every GPU until the time limit. Lightning and DeepSpeed default to 30 minutes; 10 here, which
+  a save of a 1B model's shards to a shared filesystem stays well inside.
 - `signal`: the warning signal (USR1 or USR2) — `#SBATCH --signal=USR1@300` sends it to every task 300 s before
   the time limit. The ranks finish the step they are in, save it, exit, and rank 0 requeues the job
   (`scontrol requeue $SLURM_JOB_ID`, requeue.py); the requeued job resumes with `--ckpt_path last`.
@@ -20,6 +20,10 @@ from typing import Any
 
 from training.cluster.signals import WARNING_SIGNALS
 
+# Bounds of `timeout_s`. Below a second, the ranks' own rendezvous cannot finish and fails with a traceback; far
+# above a week, the timedelta the process groups take overflows. A real job's limit lies well inside.
+TIMEOUT_RANGE_S = (1.0, 7 * 24 * 3600.0)
+
 
 @dataclass(frozen=True, kw_only=True)
 class ClusterConfig:
@@ -32,8 +36,10 @@ class ClusterConfig:
     max_requeues: int = 3
 
     def __post_init__(self) -> None:
-        if not self.timeout_s > 0:
-            raise ValueError(f"cluster.timeout_s={self.timeout_s} must be > 0 (seconds a collective may wait)")
+        low, high = TIMEOUT_RANGE_S
+        if not low <= self.timeout_s <= high:  # (NaN too)
+            raise ValueError(f"cluster.timeout_s={self.timeout_s:g} must be between {low:g} and {high:g} seconds (7 "
+                             "days): how long a collective may wait for the other ranks")
         if self.signal not in WARNING_SIGNALS:
             raise ValueError(f"cluster.signal={self.signal!r}: choose one of {', '.join(WARNING_SIGNALS)} (the "
                              "signal of #SBATCH --signal=<sig>@<seconds>)")

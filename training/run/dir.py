@@ -22,6 +22,7 @@ from typing import Any
 
 import yaml
 
+from training import safe_yaml
 from training.errors import CheckpointError
 from training.run.layout import (
     CHECKPOINTS_DIR,
@@ -50,7 +51,7 @@ class RunDirError(CheckpointError):
 
 def read_yaml(path: Path, fix: str, required: bool = False) -> dict[str, Any]:
     """A YAML mapping file ({} when absent and not `required`), or one RunDirError naming it and `fix`."""
-    return _read(path, fix, required, lambda text: yaml.load(text, Loader=_YAML_LOADER))
+    return _read(path, fix, required, lambda text: safe_yaml.load(text, path.name))
 
 
 def read_json(path: Path, fix: str, required: bool = False, kind: type = dict) -> Any:
@@ -58,9 +59,6 @@ def read_json(path: Path, fix: str, required: bool = False, kind: type = dict) -
     RunDirError naming it and `fix`."""
     return _read(path, fix, required, json.loads, kind)
 
-
-# libyaml's loader when present: the sweep reads every run's newest config on every state change
-_YAML_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
 
 def _read(path: Path, fix: str, required: bool, parse: Callable[[str], Any], kind: type = dict) -> Any:

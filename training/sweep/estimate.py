@@ -19,8 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-import yaml
-
+from training import safe_yaml
 from training.run.dir import RunDir, flatten
 from training.sweep.spec import Run, Spec
 
@@ -35,7 +34,7 @@ def fit_settings(spec: Spec, params: dict[str, Any]) -> dict[str, Any]:
     sizes and model fields)."""
     out: dict[str, Any] = {}
     for path in (DEFAULT_CONFIG, *map(Path, spec.configs)):
-        out.update(flatten(yaml.safe_load(path.read_text()) or {}))
+        out.update(flatten(safe_yaml.load(path.read_text(), f"-c {path}") or {}))
     return {**out, **spec.overrides, **params}
 
 

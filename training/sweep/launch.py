@@ -6,7 +6,6 @@ the run, or resumes it from its newest complete checkpoint — the sweep adds no
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import signal
@@ -19,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from training.cli_checks import CONFIG_HASHES_ENV
+from training.cli_checks import CONFIG_HASHES_ENV, config_digest
 from training.errors import UserError
 from training.run.dir import RunDir
 from training.run.layout import LOG_FILE, RUN_RECORD
@@ -32,8 +31,9 @@ DIVERGED_MARK = "NonFiniteError"
 
 
 def config_hashes(spec: Spec) -> dict[str, str]:
-    """sha256 of each `-c` file: an edit of a base config changes a run's config as much as an edited argument."""
-    return {c: hashlib.sha256(Path(c).read_bytes()).hexdigest() for c in spec.configs}
+    """The digest of each `-c` file and the config files it names (`config_digest`): an edit of a base config
+    changes a run's config as much as an edited argument."""
+    return {c: config_digest(c) for c in spec.configs}
 
 
 def identity(args: list[str]) -> list[str]:
@@ -59,17 +59,18 @@ def check_unchanged(spec: Spec, runs: list[Run]) -> None:
 
 def _file_hash(path: str) -> str | None:
     try:
-        return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+        return config_digest(path)
     except OSError:
         return None  # deleted or unreadable: it differs from any hash taken before
 
 
 @dataclass(frozen=True)
 class Snapshot:
-    """What a sweep trains, taken when it starts: the sha256 of each `-c` file and every run's command. A fit
-    reads its `-c` files when it starts, so an edit while the sweep runs would train the runs started after it
-    with another config than those before: `check` refuses to start them, and each run's fit is told the hashes
-    (`train`), so one that starts in the moment of an edit refuses the file it reads."""
+    """What a sweep trains, taken when it starts: the digest of each `-c` file (with the config files it names,
+    `config_digest`) and every run's command. A fit reads its `-c` files when it starts, so an edit while the
+    sweep runs would train the runs started after it with another config than those before: `check` refuses to
+    start them, and each run's fit is told the hashes (`train`), so one that starts in the moment of an edit
+    refuses the file it reads."""
 
     spec: Spec
     hashes: dict[str, str | None]

@@ -19,6 +19,7 @@ from typing import Any
 
 import yaml
 
+from training import safe_yaml
 from training.run.dir import RunDir
 from training.run.layout import CONFIG_FILE
 from training.sweep.spec import Run, Spec
@@ -78,7 +79,7 @@ def start_up(run_dir: Path, record: dict[str, Any]) -> float | None:
 def _max_steps(run_dir: Path) -> int | None:
     """`trainer.max_steps` of the config a started run resolved (before its first checkpoint has one)."""
     try:
-        config = yaml.safe_load((run_dir / CONFIG_FILE).read_text()) or {}
+        config = safe_yaml.load((run_dir / CONFIG_FILE).read_text(), str(run_dir / CONFIG_FILE)) or {}
         return int((config.get("trainer") or {}).get("max_steps"))
     except (OSError, TypeError, ValueError, yaml.YAMLError):
         return None

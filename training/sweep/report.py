@@ -15,9 +15,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from data.atomic import write_text_atomic
+from training import safe_yaml
 from training.errors import UserError
 from training.run.dir import RunDir
 from training.run.layout import SWEEP_STATE_FILE
@@ -62,7 +61,7 @@ def _value(text: str) -> Any:
             return kind(text)
         except ValueError:
             pass
-    return yaml.safe_load(text)
+    return safe_yaml.load(text, "a runs.csv value")
 
 
 def csv_results(text: str, axes: Sequence[str]) -> list[RunResult]:

@@ -39,6 +39,7 @@ from typing import Any
 
 import yaml
 
+from training import safe_yaml
 from training.errors import UserError
 from training.run.membership import format_value
 from training.stats import MODES, Reduction
@@ -203,7 +204,7 @@ def load_spec(path: str | Path) -> Spec:
     """Parse and validate a spec file; every problem is one UserError naming the file, field and value."""
     path = Path(path)
     try:
-        raw = yaml.safe_load(path.read_text())
+        raw = safe_yaml.load(path.read_text(), f"sweep spec '{path}'")
     except OSError as err:
         raise UserError(f"sweep spec '{path}' cannot be read: {err.strerror}") from err
     except UnicodeDecodeError as err:

@@ -8,7 +8,8 @@ median wall time is printed with its ratio to the torch import:
     import torch                       the floor
     import the fit path                training.lightning_cli (Lightning, DeepSpeed's hooks, the model)
     normlab fit --help                 LightningCLI's parser, every field
-    normlab fit --model.placement x    a bad value refused in one line
+    normlab fit -c list.yaml           a -c file that is no YAML mapping, refused before Lightning is imported
+    normlab fit --model.placement x    a bad value refused in one line (it needs the parser: after the imports)
     normlab fit, 1 step                the default job's model and data for one optimizer step, then its save
 
 The default corpus is prepared (data_cache/default) by the untimed run if it is missing. Runs go to a temporary
@@ -51,11 +52,14 @@ def main() -> None:
     args = ap.parse_args()
     py, normlab = sys.executable, [sys.executable, "-m", "training.cli"]
     with tempfile.TemporaryDirectory() as runs:
+        bad = str(Path(runs) / "list.yaml")
+        Path(bad).write_text("- lr: 0.1\n")
         one_step = [*normlab, "fit", "--runs_dir", runs, "--trainer.max_steps", "1", "--name", "startup-{i}"]
         cases = {
             "import torch": ([py, "-c", "import torch"], True),
             "import the fit path": ([py, "-c", "import training.lightning_cli"], True),
             "normlab fit --help": ([*normlab, "fit", "--help"], True),
+            "normlab fit, a bad -c file": ([*normlab, "fit", "-c", bad], False),
             "normlab fit, a bad value": ([*normlab, "fit", "--model.placement", "nowhere"], False),
             "normlab fit, 1 step": (one_step, True),
         }

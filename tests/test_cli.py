@@ -6,6 +6,7 @@ import functools
 import importlib
 import re
 import subprocess
+import sys
 
 import pytest
 import yaml
@@ -143,6 +144,19 @@ def test_bad_model_value_fails_before_training(tmp_path, capsys):
     code, _, err = run(["fit", "--model.placement", "middle", "--runs_dir", str(tmp_path)], capsys)
     assert code == 2 and not any(tmp_path.iterdir())
     assert re.search(r"normlab fit: error: .*placement='middle'.*\['pre', 'post'", err), err
+
+
+def test_a_bad_config_file_is_refused_before_lightning_is_imported(tmp_path):
+    """A `-c` file that is no YAML mapping needs no parser to refuse: one line, in a process that never imported
+    Lightning (its imports are most of a refused start's seconds)."""
+    bad = tmp_path / "list.yaml"
+    bad.write_text("- lr: 0.1\n")
+    probe = ("import sys; from training.cli import main; code = main(['fit', '-c', sys.argv[1]]); "
+             "print(code, 'lightning' in sys.modules, 'torch' in sys.modules)")
+    proc = subprocess.run([sys.executable, "-c", probe, str(bad)], cwd=REPO, capture_output=True, text=True)
+    assert proc.stdout.split() == ["2", "False", "False"], proc.stdout + proc.stderr
+    assert proc.stderr == f"normlab fit: error: -c {bad}: holds a YAML list, not a mapping of config groups (e.g. " \
+                          "`optim: {lr: 0.001}`)\n"
 
 
 @pytest.mark.parametrize("command", sorted(COMMANDS))

@@ -76,10 +76,15 @@ def run_command(command: str, argv: list[str]) -> int:
         # A fit's stop handlers go in first, before the seconds of imports below: a signal then must not kill it.
         stop = signals.install() if command == "fit" else None
         try:
+            from training.cli_checks import check_config_files
+
+            check_list_flags(argv[1:])
+            # -c files that are no YAML mapping (or were edited since a sweep recorded them) are refused here, in
+            # well under a second, before the seconds of Lightning's imports (LightningCLI checks them again)
+            check_config_files(argv[1:])
             from training.strategy import adopt_deepspeed_launcher_env
 
             adopt_deepspeed_launcher_env(os.environ)
-            check_list_flags(argv[1:])
             # LightningCLI reads sys.argv itself when args is None (and warns when given both).
             run_lightning(None if argv == sys.argv[1:] else argv)
         except Exception as err:

@@ -20,7 +20,7 @@ from tests.helpers.runs import read_manifest
 from training.checkpointing import resume
 from training.cli import main
 from training.cluster.rank import is_first_rank
-from training.errors import DEBUG_ENV, UserError
+from training.errors import DEBUG_ENV, CheckpointError, UserError
 from training.run import layout
 from training.run.lock import LOCK_FILE, acquire, locked
 
@@ -154,3 +154,19 @@ def test_a_start_refused_for_damaged_data_leaves_nothing_that_blocks_the_retry(d
     assert line.startswith(f"normlab fit: error: '{data}' is damaged (") and str(data / damage) in line, line
     resume.check_no_logged_run(runs / "retry")  # what refuses a start on a run that logged
     assert not (runs / "retry").exists()
+
+
+def test_the_empty_files_of_a_start_on_a_full_disk_do_not_block_the_retry(tmp_path):
+    """A start on a full disk leaves at most empty files (config.yaml, an events file that got no bytes): nothing
+    was logged, so the retry is not refused as "already holds a run"; one byte of either is a run's record."""
+    run = tmp_path / "full"
+    run.mkdir()
+    config, events = run / "config.yaml", run / "events.out.tfevents.1.host.1.0"
+    config.touch()
+    events.touch()
+    resume.check_no_logged_run(run)
+    for path in (config, events):
+        path.write_bytes(b"x")
+        with pytest.raises(CheckpointError, match="already holds a run"):
+            resume.check_no_logged_run(run)
+        path.write_bytes(b"")

@@ -53,14 +53,18 @@ def check_fresh_run(run_dir: str | Path) -> None:
         )
 
 
+def _nonempty(path: Path) -> bool:
+    return path.is_file() and path.stat().st_size > 0
+
+
 def check_no_logged_run(run_dir: str | Path) -> None:
     """A new fit must not replace the config.yaml and hide the TensorBoard curves of a run that logged but saved no
     checkpoint (it stopped before its first save, or checkpoints are off): a fresh start there is asked for by
     `--ckpt_path last`, never implied."""
     run_dir = Path(run_dir)
-    found = [name for name, present in (
-        (CONFIG_FILE, (run_dir / CONFIG_FILE).is_file()),
-        ("TensorBoard events", any(run_dir.glob("events.out.tfevents.*"))),
+    found = [name for name, present in (  # (empty files are what a start on a full disk leaves: nothing logged)
+        (CONFIG_FILE, _nonempty(run_dir / CONFIG_FILE)),
+        ("TensorBoard events", any(_nonempty(p) for p in run_dir.glob("events.out.tfevents.*"))),
         ("incomplete checkpoints", checkpoints_dir(run_dir).is_dir() and any(checkpoints_dir(run_dir).iterdir())),
     ) if present]
     if found:

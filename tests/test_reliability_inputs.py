@@ -155,7 +155,7 @@ def test_resume_with_an_accumulation_that_splits_an_update(workdir, finished):
         fit(workdir, "finished", "--ckpt_path", "last", "--trainer.accumulate_grad_batches", "3")
     run = copy_run(finished, "reaccumulated")
     fit(workdir, "reaccumulated", "--ckpt_path", "last", "--trainer.accumulate_grad_batches", "4",
-        "--trainer.max_steps", "5", "--checkpoint.every_n_steps", "1")
+        "--trainer.max_steps", "5", "--checkpoint.every_n_steps", "1", "--optim.continuation", "hold")
     assert read_manifest(run / "checkpoints" / "step-00000005")["accumulate_grad_batches"] == 4
 
 

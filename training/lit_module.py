@@ -29,7 +29,7 @@ from training.checkpointing.init_from import InitFrom
 from training.distributed import is_deepspeed, is_fsdp2
 from training.errors import UserError
 from training.eval.metrics import LossTotals, batch_loss, mixture, split_batch, tags
-from training.loggers import log_scalars
+from training.loggers import log_scalars, logs_this_update
 from training.optim import OptimConfig, build_optimizer, check_group_names, param_groups, qk_clip
 from training.optim.continuation import continue_schedule, schedule_record
 
@@ -239,13 +239,6 @@ class LitLM(LightningModule):
             return
         for state in checkpoint.get("optimizer_states") or []:
             check_group_names([g.get("name") for g in state["param_groups"]], param_groups(self.model, self.optim))
-
-
-def logs_this_update(trainer: Any, global_step: int) -> bool:
-    """Whether Lightning's logger writes the metrics of the update that ends the current micro-batch (its rule:
-    every `log_every_n_steps` updates, and when the fit is stopping), as seen from inside that update."""
-    every = trainer.log_every_n_steps
-    return every > 0 and ((global_step + 1) % every == 0 or trainer.should_stop)
 
 
 @model_fields

@@ -213,3 +213,10 @@ def write_scalars(run_dir: str | Path, values: dict[str, float], step: int) -> N
     with SummaryWriter(str(run_dir)) as writer:
         for tag, value in values.items():
             writer.add_scalar(tag, value, step)
+
+
+def logs_this_update(trainer: Any, global_step: int) -> bool:
+    """Whether Lightning's logger writes the metrics of the update that ends the current micro-batch (its rule:
+    every `log_every_n_steps` updates, and when the fit is stopping), as seen from inside that update."""
+    every = trainer.log_every_n_steps
+    return every > 0 and ((global_step + 1) % every == 0 or trainer.should_stop)

@@ -19,7 +19,7 @@ from typing import Any
 
 from lightning.pytorch import Callback, LightningModule, Trainer
 
-from training.lit_module import logs_this_update
+from training.loggers import logs_this_update
 
 log = logging.getLogger(__name__)
 

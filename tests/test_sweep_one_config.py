@@ -95,7 +95,8 @@ def test_a_config_file_named_inside_a_c_file_is_part_of_its_hash(workdir, tmp_pa
     assert hashes[str(cfg)] != hashlib.sha256(cfg.read_bytes()).hexdigest()  # the nested file is in it
     opt.write_text("lr: 0.02\n")
     assert config_hashes(spec) != hashes
-    with pytest.raises(UserError, match=rf"^{cfg} was edited since this sweep started"):
+    with pytest.raises(UserError, match=rf"^{cfg} \(or a config file it names: {opt}\) was edited since this sweep "
+                                        "started"):
         snapshot.check(spec.runs()[1])
     monkeypatch.setenv(CONFIG_HASHES_ENV, json.dumps(hashes))
     assert main(["fit", "-c", str(TINY), "-c", str(cfg), "--data.path", str(workdir / "tiny"), "--runs_dir",
@@ -107,6 +108,7 @@ def test_a_config_file_named_inside_a_c_file_is_part_of_its_hash(workdir, tmp_pa
     opt.write_text("lr: 0.001\n")
     assert config_hashes(spec) == hashes
     snapshot.check(spec.runs()[1])  # restored: the same config again
+
 
 def record(work: Path, rel: str, lr_file_text: str, lr: str = "0.001") -> None:
     """The record `normlab sweep` keeps of a finished run: its command and the sha256 of its -c file."""

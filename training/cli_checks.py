@@ -51,8 +51,7 @@ def check_config_files(argv: list[str]) -> None:
             continue
         where = f"-c {name}"
         if name in expected and config_digest(path) != expected[name]:
-            nested = ", ".join(map(str, nested_config_files(path, _parsed(path))))
-            raise UserError(f"{where}{f' (or a config file it names: {nested})' if nested else ''} was edited after "
+            raise UserError(f"-c {edited_name(path)} was edited after "
                             "`normlab sweep` recorded this run's config: a sweep trains one config; restore the file, "
                             "or give the edited spec a new name")
         config = _read_config(path, where)
@@ -117,6 +116,14 @@ def _parsed(path: Path) -> Any:
         return safe_yaml.load(path.read_text(encoding="utf-8"), str(path))
     except (OSError, UnicodeDecodeError, ValueError, yaml.YAMLError):  # (UserError is a ValueError)
         return None
+
+
+def edited_name(path: str | Path) -> str:
+    """`path` as an edit names it: with the config files it names, when there are any (an edit of either changes
+    its `config_digest`)."""
+    path = Path(path)
+    nested = nested_config_files(path, _parsed(path)) if path.is_file() else []
+    return f"{path} (or a config file it names: {', '.join(map(str, nested))})" if nested else str(path)
 
 
 def config_digest(path: str | Path, seen: frozenset[Path] = frozenset()) -> str:

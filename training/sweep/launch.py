@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from training.cli_checks import CONFIG_HASHES_ENV, config_digest
+from training.cli_checks import CONFIG_HASHES_ENV, config_digest, edited_name
 from training.errors import UserError
 from training.run.dir import RunDir
 from training.run.layout import LOG_FILE, RUN_RECORD
@@ -51,7 +51,8 @@ def check_unchanged(spec: Spec, runs: list[Run]) -> None:
             continue  # nothing trained yet: the new spec simply applies
         old, new = identity(record.get("command", [])[4:]), identity(run.fit_args)
         changed = [a for a in new if a not in old] + [f"(dropped {a})" for a in old if a not in new]
-        changed += [f"{c} (file edited)" for c, h in hashes.items() if record.get("config_hashes", {}).get(c, h) != h]
+        changed += [f"{edited_name(c)} (file edited)" for c, h in hashes.items()
+                    if record.get("config_hashes", {}).get(c, h) != h]
         if changed:
             raise UserError(f"run '{run_dir}' was trained with a different config ({', '.join(changed)}); restore "
                             "the spec, or give the edited spec a new name (or delete that run to retrain it)")
@@ -83,8 +84,8 @@ class Snapshot:
     def check(self, run: Run) -> None:
         """Before `run` starts: a UserError if a `-c` file or the spec on disk changed what the sweep trains."""
         now = {c: _file_hash(c) for c in self.hashes}
-        changed = [f"{c} was {'deleted' if now[c] is None else 'edited'}" for c, h in self.hashes.items()
-                   if now[c] != h]
+        changed = [f"{c} was deleted" if now[c] is None else f"{edited_name(c)} was edited"
+                   for c, h in self.hashes.items() if now[c] != h]
         if not changed:
             try:
                 command = {r.rel: identity(r.fit_args) for r in load_spec(self.spec.path).runs()}.get(run.rel)

@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from data.atomic import write_text_atomic
+from training.cli_checks import edited_name
 from training.cluster.failure import LOST_RANK
 from training.cluster.requeue import requeue, requeue_history
 from training.cluster.signals import WARNING_SIGNALS
@@ -189,7 +190,7 @@ def check_submitted(spec: Spec, run: Run, submitted: dict[str, Any] | None) -> N
         return  # a tasks file written before this check existed
     changed = [] if identity(run.command) == identity(submitted["command"]) else ["its command"]
     now = config_hashes(spec)
-    changed += [f"{c} (edited)" for c, h in submitted["config_hashes"].items() if now.get(c) != h]
+    changed += [f"{edited_name(c)} (edited)" for c, h in submitted["config_hashes"].items() if now.get(c) != h]
     if changed:
         raise UserError(f"run {run.rel}: {' and '.join(changed)} changed since the array was submitted; not "
                         f"training it with a config it was not submitted with — restore the spec '{spec.path}' and "

@@ -4,8 +4,8 @@ Exports are loaded back with `transformers` alone (`AutoModelForCausalLM`, `Auto
 must give our logits and our greedy continuation. DeepSpeed checkpoints are evaluated in
 tests/test_training_deepspeed.py, next to the runs that write them.
 
-The fits, `generate` (whose exact stdout is checked) and `validate`/`test` (LightningCLI) run as their own
-processes; `evaluate` and `export` run in this one, through the console script's own entry point
+`generate` (whose exact stdout is checked) and `validate`/`test` (LightningCLI) run as their own processes; the
+four fits, `evaluate` and `export` run in this one, through the console script's own entry point
 (`training.cli.main`: the same parsing, exit status and error line), which saves a process start-up each.
 """
 from __future__ import annotations
@@ -45,9 +45,11 @@ def ok(args: list[str], capsys: pytest.CaptureFixture) -> None:
 
 
 def fit(workdir: Path, preset: str) -> Path:
-    run_normlab(["fit", "-c", str(HELPERS / "tiny.yaml"), "--data.path", str(workdir / "tiny"), "--runs_dir",
+    from training.cli import main
+
+    assert main(["fit", "-c", str(HELPERS / "tiny.yaml"), "--data.path", str(workdir / "tiny"), "--runs_dir",
                  str(workdir / "runs"), "--name", preset, "--model.preset", preset, "--trainer.max_steps", "4",
-                 "--model.n_kv_heads", "2"], cwd=workdir)
+                 "--model.n_kv_heads", "2"]) == 0
     return workdir / "runs" / preset / "checkpoints" / STEP
 
 

@@ -4,8 +4,8 @@ Exports are loaded back with `transformers` alone (`AutoModelForCausalLM`, `Auto
 must give our logits and our greedy continuation. DeepSpeed checkpoints are evaluated in
 tests/test_training_deepspeed.py, next to the runs that write them.
 
-`generate` (whose exact stdout is checked) and `validate`/`test` (LightningCLI) run as their own processes; the
-four fits, `evaluate` and `export` run in this one, through the console script's own entry point
+`generate` (whose exact stdout is checked) runs as its own process; the four fits, `validate`/`test`
+(LightningCLI), `evaluate` and `export` run in this one, through the console script's own entry point
 (`training.cli.main`: the same parsing, exit status and error line), which saves a process start-up each.
 """
 from __future__ import annotations
@@ -110,7 +110,8 @@ def test_greedy_generation_equals_transformers(runs, workdir, tmp_path, capsys):
 
 def test_qk_norm_gain_tags_in_tensorboard(runs):
     """The README's QK-norm gain tags: per layer, mean/max/min of the q and k gains, logged at the step-0 audit
-    (where the gains are their init, 1), in a run with QK-norm (qwen3) — and none without it (llama)."""
+    (where the gains are their init, 1) and the last step, in a run with QK-norm (qwen3) — and none without it
+    (llama)."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     def tags(preset: str) -> set[str]:
@@ -121,7 +122,8 @@ def test_qk_norm_gain_tags_in_tensorboard(runs):
     expected = {f"qk_gain/{qk}/{stat}/L{l}" for qk in "qk" for stat in ("mean", "max", "min") for l in range(2)}
     assert tags("qwen3") == expected and tags("llama") == set()
     for tag in expected:
-        assert scalars(runs["qwen3"].parent.parent, tag) == {0: 1.0}
+        values = scalars(runs["qwen3"].parent.parent, tag)  # the audit, and the last step's probe (step 3)
+        assert sorted(values) == [0, 3] and values[0] == 1.0, (tag, values)
 
 
 def test_evaluate_single_process_checkpoint(runs, workdir, tmp_path, capsys):
@@ -199,13 +201,17 @@ def test_bad_inputs_give_clear_errors(runs, tmp_path, capsys):
                                           str(other / "tiny"))
 
 
-def test_normlab_test_and_validate_on_a_checkpoint(runs, workdir):
+def test_normlab_test_and_validate_on_a_checkpoint(runs, workdir, capsys):
     """`normlab test` / `validate` (LightningCLI) on a saved checkpoint: the held-out split is the run's validation
     windows, so each prints the val/loss the run logged at step 4 (the checkpoint's weights)."""
+    from training.cli import main
+
     logged = scalars(runs["llama"].parent.parent, "val/loss")[4]
     for command, tag in (("validate", "val/loss"), ("test", "test/loss")):
-        proc = run_normlab([command, "-c", str(HELPERS / "tiny.yaml"), "--data.path", str(workdir / "tiny"),
-                            "--runs_dir", str(workdir / "runs"), "--name", "llama", "--model.n_kv_heads", "2",
-                            "--ckpt_path", str(runs["llama"])], cwd=workdir)
-        assert table_value(proc.stdout + proc.stderr, tag) == pytest.approx(logged, rel=1e-6), command
+        capsys.readouterr()
+        assert main([command, "-c", str(HELPERS / "tiny.yaml"), "--data.path", str(workdir / "tiny"), "--runs_dir",
+                     str(workdir / "runs"), "--name", "llama", "--model.n_kv_heads", "2",
+                     "--ckpt_path", str(runs["llama"])]) == 0
+        out = capsys.readouterr()
+        assert table_value(out.out + out.err, tag) == pytest.approx(logged, rel=1e-6), command
 

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.multiproc import REPO, run_normlab
+from tests.helpers.multiproc import REPO, run_here
 from tests.helpers.runs import scalars
 from training.compare import main
 
@@ -18,16 +18,16 @@ HELPERS = REPO / "tests" / "helpers"
 def runs(workdir: Path) -> Path:
     runs = workdir / "runs"
     for name, extra in (("rms", []), ("ln", ["--model.norm", "layernorm"])):
-        run_normlab(["fit", "-c", str(HELPERS / "tiny.yaml"), "--data.path", str(workdir / "tiny"), "--runs_dir",
-                     str(runs), "--name", name, "--metrics.every_n_steps", "2", *extra], cwd=workdir)
+        run_here(["fit", "-c", str(HELPERS / "tiny.yaml"), "--data.path", str(workdir / "tiny"), "--runs_dir",
+                  str(runs), "--name", name, "--metrics.every_n_steps", "2", *extra])
     return runs
 
 
 @pytest.fixture(scope="module")
 def unvalidated(runs: Path, workdir: Path) -> Path:
     """A run that never validated: it logs train/loss but no val/loss."""
-    run_normlab(["fit", "-c", str(HELPERS / "tiny.yaml"), "--data.path", str(workdir / "tiny"), "--runs_dir",
-                 str(runs), "--name", "noval", "--trainer.limit_val_batches", "0"], cwd=workdir)
+    run_here(["fit", "-c", str(HELPERS / "tiny.yaml"), "--data.path", str(workdir / "tiny"), "--runs_dir",
+              str(runs), "--name", "noval", "--trainer.limit_val_batches", "0"])
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     acc = EventAccumulator(str(runs / "noval"))

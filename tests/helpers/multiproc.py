@@ -51,6 +51,16 @@ def run_normlab(args: list[str], cwd: Path, timeout: float = 300, expect_ok: boo
     return proc
 
 
+def run_here(args: list[str]) -> None:
+    """`normlab <args>` in this process, through the console script's entry point (`training.cli.main`): for
+    one-process runs whose output the test does not read — the seconds of a process start-up are most of a tiny
+    fit's time. Raises if it does not exit 0."""
+    from training.cli import main
+
+    code = main(args)
+    assert code == 0, f"normlab {' '.join(args)} exited {code}"
+
+
 def _run_nodes(commands: list[list[str]], cwd: Path, what: str, timeout: float) -> None:
     """Start one launcher per "node" at once and wait for all; raise with the output of any that failed."""
     procs = [subprocess.Popen(cmd, cwd=cwd, env=cpu_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

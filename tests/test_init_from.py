@@ -15,7 +15,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import transformers  # noqa: E402  a test dependency
 
 from data.datamodule import TokenDataModule  # noqa: E402
-from tests.helpers.multiproc import run_normlab  # noqa: E402
+from tests.helpers.multiproc import run_here, run_normlab  # noqa: E402
 from tests.helpers.published import bpe_tokenizer, fit_args, hf_model_dir, prepared_data, run_config  # noqa: E402
 from tests.helpers.runs import (
     read_manifest,
@@ -56,8 +56,7 @@ def hf_val_loss(hf, data: Path) -> float:
 def from_hf_runs(world) -> dict[str, Path]:
     runs = {}
     for kind in ("llama3", "qwen3"):
-        run_normlab(fit_args(world["config"], world["data"], world["runs"], kind, "--init_from", str(world[kind])),
-                    cwd=world["root"])
+        run_here(fit_args(world["config"], world["data"], world["runs"], kind, "--init_from", str(world[kind])))
         runs[kind] = world["runs"] / kind
     return runs
 
@@ -86,8 +85,7 @@ def test_from_a_normlab_export_and_checkpoint_unchanged_is_kl_zero(world, from_h
     out = world["root"] / "qwen3-export"
     assert main(["export", "--checkpoint", str(from_hf_runs["qwen3"] / STEP1), "--output", str(out), "--format",
                  "safetensors"]) == 0  # (in this process)
-    run_normlab(fit_args(world["config"], world["data"], world["runs"], "from-export", "--init_from", str(out)),
-                cwd=world["root"])
+    run_here(fit_args(world["config"], world["data"], world["runs"], "from-export", "--init_from", str(out)))
     run = world["runs"] / "from-export"
     assert scalars(run, "surgery/kl") == {0: 0.0}
     assert scalars(run, "val/loss")[1] == pytest.approx(scalars(from_hf_runs["qwen3"], "val/loss")[1], rel=1e-6)

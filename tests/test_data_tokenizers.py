@@ -107,12 +107,12 @@ def test_fit_evaluate_export_generate_with_a_hf_tokenizer(hf_prepared: Path, tmp
                                                           capsys: pytest.CaptureFixture) -> None:
     """`fit` as its own process; `export` and `generate` in this one (the console script's entry point)."""
     transformers = pytest.importorskip("transformers")
-    from tests.helpers.multiproc import REPO, run_normlab
+    from tests.helpers.multiproc import REPO, run_here
     from training.cli import main
     from training.eval.heldout import evaluate
 
-    run_normlab(["fit", "-c", str(REPO / "tests" / "helpers" / "tiny.yaml"), "--data.path", str(hf_prepared),
-                 "--runs_dir", str(tmp_path / "runs"), "--name", "bpe", "--trainer.max_steps", "4"], cwd=tmp_path)
+    run_here(["fit", "-c", str(REPO / "tests" / "helpers" / "tiny.yaml"), "--data.path", str(hf_prepared),
+              "--runs_dir", str(tmp_path / "runs"), "--name", "bpe", "--trainer.max_steps", "4"])
     ckpt = tmp_path / "runs" / "bpe" / "checkpoints" / "step-00000004"
     result = evaluate(ckpt, log_to_run=False)
     meta = layout.read_meta(hf_prepared)

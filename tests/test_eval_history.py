@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.multiproc import REPO, run_normlab
+from tests.helpers.multiproc import REPO, run_here
 from tests.helpers.runs import scalars
 from training.eval.cli import main
 from training.eval.heldout import evaluate_sets
@@ -20,8 +20,8 @@ HELPERS = REPO / "tests" / "helpers"
 @pytest.fixture(scope="module")
 def run(workdir) -> Path:
     """A 6-step run: checkpoints at steps 4 (the interval) and 6 (the end); the run validated at step 4."""
-    run_normlab(["fit", "-c", str(HELPERS / "tiny.yaml"), "--data.path", str(workdir / "tiny"), "--runs_dir",
-                 str(workdir / "runs"), "--name", "hist", "--trainer.max_steps", "6"], cwd=workdir)
+    run_here(["fit", "-c", str(HELPERS / "tiny.yaml"), "--data.path", str(workdir / "tiny"), "--runs_dir",
+              str(workdir / "runs"), "--name", "hist", "--trainer.max_steps", "6"])
     return workdir / "runs" / "hist"
 
 

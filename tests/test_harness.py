@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.data import WORDS
-from tests.helpers.multiproc import REPO, run_normlab
+from tests.helpers.multiproc import REPO, run_here
 from tests.helpers.tasks import TASK, write_task
 
 HELPERS = REPO / "tests" / "helpers"
@@ -31,8 +31,8 @@ def test_missing_extra_is_one_clear_line(monkeypatch, capsys, tmp_path):
 def exported(workdir) -> tuple[Path, Path]:
     """A 4-step checkpoint of a tiny run and its Hugging Face export."""
     pytest.importorskip("lm_eval", reason=MISSING)
-    run_normlab(["fit", "-c", str(HELPERS / "tiny.yaml"), "--data.path", str(workdir / "tiny"), "--runs_dir",
-                 str(workdir / "runs"), "--name", "harness", "--trainer.max_steps", "4"], cwd=workdir)
+    run_here(["fit", "-c", str(HELPERS / "tiny.yaml"), "--data.path", str(workdir / "tiny"), "--runs_dir",
+              str(workdir / "runs"), "--name", "harness", "--trainer.max_steps", "4"])
     ckpt = workdir / "runs" / "harness" / "checkpoints" / "step-00000004"
     from training.cli import main
 

@@ -9,7 +9,7 @@ import torch
 import yaml
 
 from tests.helpers.faults import kill_when_paused
-from tests.helpers.multiproc import REPO, run_normlab
+from tests.helpers.multiproc import REPO, run_here, run_normlab
 from tests.helpers.runs import consolidated_state_dict, scalars
 
 pytestmark = pytest.mark.slow
@@ -18,8 +18,14 @@ HELPERS = REPO / "tests" / "helpers"
 
 
 def fit(root: Path, name: str, probe: str, *extra: str) -> Path:
-    run_normlab(["fit", "-c", str(HELPERS / "tiny.yaml"), "-c", str(HELPERS / probe), "--data.path",
-                 str(root / "tiny"), "--runs_dir", str(root / "runs"), "--name", name, *extra], cwd=root)
+    """A tiny fit in this process; with interrupted.yaml in its own (its StopAtStep ends the process, as a crash
+    would)."""
+    args = ["fit", "-c", str(HELPERS / "tiny.yaml"), "-c", str(HELPERS / probe), "--data.path", str(root / "tiny"),
+            "--runs_dir", str(root / "runs"), "--name", name, *extra]
+    if probe == "interrupted.yaml":
+        run_normlab(args, cwd=root)
+    else:
+        run_here(args)
     return root / "runs" / name
 
 

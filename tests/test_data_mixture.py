@@ -136,15 +136,18 @@ def test_per_source_and_named_validation_in_a_real_fit(dirs: dict[str, Path], tm
     """val/<source>/loss per mixture source, val/<name>/loss|bpb per held-out set, val/loss their weighted mean;
     a held-out set that is a source's own directory gives exactly that source's loss, and its bpb is what
     `normlab evaluate` computes for the same windows — also with the windows shared out over 2 ranks."""
-    from tests.helpers.multiproc import REPO, run_normlab
+    from tests.helpers.multiproc import REPO, run_here, run_normlab
     from tests.helpers.runs import scalars
     from training.eval.heldout import evaluate
 
-    run_normlab(["fit", "-c", str(REPO / "tests" / "helpers" / "tiny.yaml"), "--data.seq_len", str(SEQ),
-                 "--data.path", f"{{{dirs['prose']}: 3, {dirs['more']}: 1}}",
-                 "--data.val_sets", f"{{held: {dirs['more']}}}", "--runs_dir", str(tmp_path / "runs"),
-                 "--name", "mix", "--trainer.max_steps", "4", "--checkpoint.every_n_steps", "4",
-                 *(["--trainer.devices", "2", "--trainer.strategy", "ddp"] if ranks == 2 else [])], cwd=tmp_path)
+    args = ["fit", "-c", str(REPO / "tests" / "helpers" / "tiny.yaml"), "--data.seq_len", str(SEQ),
+            "--data.path", f"{{{dirs['prose']}: 3, {dirs['more']}: 1}}", "--data.val_sets", f"{{held: {dirs['more']}}}",
+            "--runs_dir", str(tmp_path / "runs"), "--name", "mix", "--trainer.max_steps", "4",
+            "--checkpoint.every_n_steps", "4"]
+    if ranks == 2:
+        run_normlab([*args, "--trainer.devices", "2", "--trainer.strategy", "ddp"], cwd=tmp_path)
+    else:
+        run_here(args)
     run = tmp_path / "runs" / "mix"
     prose, more, held = (scalars(run, f"val/{n}/loss")[4] for n in ("prose", "more", "held"))
     assert held == pytest.approx(more, rel=1e-6)

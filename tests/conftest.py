@@ -59,15 +59,15 @@ def docmask_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     tests/test_docmask_training.py, its checkpoint evaluated by tests/test_eval_path.py. The corpus is the run's
     data.path (`docmask_run.parent.parent / "docs"`)."""
     from data.prepare import prepare
-    from tests.helpers.multiproc import REPO, run_normlab
+    from tests.helpers.multiproc import REPO, run_here
     from tests.test_docmask_data import short_documents
 
     root = tmp_path_factory.mktemp("docmask_fit")
     corpus = prepare([short_documents(root / "in", "docs", 300, 0)], output=root / "docs", vocab_size=300,
                      val_fraction=0.2)
-    run_normlab(["fit", "-c", str(REPO / "tests" / "helpers" / "tiny.yaml"), "--data.path", str(corpus),
-                 "--data.document_mask", "true", "--runs_dir", str(root / "runs"), "--name", "docmask",
-                 "--trainer.max_steps", "4", "--data.seq_len", "32", "--metrics.every_n_steps", "2"], cwd=root)
+    run_here(["fit", "-c", str(REPO / "tests" / "helpers" / "tiny.yaml"), "--data.path", str(corpus),
+              "--data.document_mask", "true", "--runs_dir", str(root / "runs"), "--name", "docmask",
+              "--trainer.max_steps", "4", "--data.seq_len", "32", "--metrics.every_n_steps", "2"])
     return root / "runs" / "docmask"
 
 

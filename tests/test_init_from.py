@@ -15,7 +15,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import transformers  # noqa: E402  a test dependency
 
 from data.datamodule import TokenDataModule  # noqa: E402
-from tests.helpers.multiproc import run_here, run_normlab  # noqa: E402
+from tests.helpers.multiproc import run_here  # noqa: E402
 from tests.helpers.published import bpe_tokenizer, fit_args, hf_model_dir, prepared_data, run_config  # noqa: E402
 from tests.helpers.runs import (
     read_manifest,
@@ -98,16 +98,17 @@ def test_from_a_normlab_export_and_checkpoint_unchanged_is_kl_zero(world, from_h
     ("qwen3-checkpoint", ["--model.placement", "post"], "attn_res.norm_in.weight", "attn_res.norm_out.weight = 1"),
     ("llama3", ["--model.norm", "dyt", "--model.dyt_alpha", "0.3"], "none", "alpha = model.dyt_alpha (0.3)"),
 ])
-def test_surgery_logs_its_distance_and_trains(source, change, dropped, new, world, from_hf_runs):
+def test_surgery_logs_its_distance_and_trains(source, change, dropped, new, world, from_hf_runs, capsys):
     path = from_hf_runs["qwen3"] / STEP1 if source == "qwen3-checkpoint" else world[source]
     config = run_config(world["root"] / "surgery.yaml", optim={"lr": 3e-3, "min_lr": 3e-3},
                         trainer={"max_steps": 6, "val_check_interval": 6})
     name = f"surgery-{change[1]}"
-    proc = run_normlab(fit_args(config, world["data"], world["runs"], name, "--init_from", str(path), *change),
-                       cwd=world["root"])
+    capsys.readouterr()
+    run_here(fit_args(config, world["data"], world["runs"], name, "--init_from", str(path), *change))
+    out = capsys.readouterr()
     run = world["runs"] / name
     assert scalars(run, "surgery/kl")[0] > 1e-4 and scalars(run, "surgery/max_abs_logit_diff")[0] > 1e-3
-    summary = next(line for line in (proc.stdout + proc.stderr).splitlines() if "parameters copied" in line)
+    summary = next(line for line in (out.out + out.err).splitlines() if "parameters copied" in line)
     assert dropped in summary and new in summary, summary
     losses = scalars(run, "train/loss")
     assert all(torch.isfinite(torch.tensor(v)) for v in losses.values())

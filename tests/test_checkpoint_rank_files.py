@@ -35,7 +35,8 @@ def copy_step(run: Path, tmp_path: Path) -> Path:
 def fit(workdir: Path, name: str, ckpt: Path, devices: int) -> tuple[int, str]:
     proc = run_normlab(["fit", "-c", str(REPO / "tests" / "helpers" / "tiny.yaml"), "--data.path",
                         str(workdir / "tiny"), "--runs_dir", str(workdir / "runs"), "--name", name,
-                        "--trainer.max_steps", str(STEP + 2), "--checkpoint.every_n_steps", "2",
+                        "--trainer.max_steps", str(STEP + 2), "--optim.continuation", "hold",
+                        "--checkpoint.every_n_steps", "2",
                         "--metrics.every_n_steps", "0", "--trainer.strategy", "zero2", "--trainer.devices",
                         str(devices), "--ckpt_path", str(ckpt)], cwd=workdir, expect_ok=False, timeout=TIMEOUT)
     return proc.returncode, proc.stdout + proc.stderr

@@ -48,7 +48,7 @@ def logged_run(runs: Path) -> None:
     """What a fit that stopped before its first checkpoint leaves: its config and TensorBoard events."""
     (runs / "logged").mkdir(parents=True)
     (runs / "logged" / layout.CONFIG_FILE).write_text("optim:\n  lr: 0.001\n")
-    (runs / "logged" / "events.out.tfevents.1.host.1.0").write_bytes(b"")
+    (runs / "logged" / "events.out.tfevents.1.host.1.0").write_bytes(b"\0" * 24)  # (its version record, at once)
 
 
 def trunk_run(runs: Path) -> None:

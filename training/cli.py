@@ -80,7 +80,7 @@ def run_command(command: str, argv: list[str]) -> int:
 
             check_list_flags(argv[1:])
             # -c files that are no YAML mapping (or were edited since a sweep recorded them) are refused here, in
-            # well under a second, before the seconds of Lightning's imports (LightningCLI checks them again)
+            # well under a second, before the seconds of Lightning's imports (the one place they are checked)
             check_config_files(argv[1:])
             from training.strategy import adopt_deepspeed_launcher_env
 

@@ -125,7 +125,6 @@ class NormlabCLI(LightningCLI):
                 self.lock.release()
 
     def _run_cli(self, args: list[str] | None) -> None:
-        cli_checks.check_config_files(sys.argv[1:] if args is None else args)
         super().__init__(
             lit_lm,
             TokenDataModule,

@@ -48,17 +48,24 @@ def _load() -> str:
 
 
 def run_study(output: Path, quick: bool = False, claims: list[int] | None = None, jobs: int = 1,
-              data_dir: Path | None = None, seeds: int | None = None) -> list[tuple[Claim, str]]:
-    """Run the selected claims' grid and write report.md, results.json, the CSVs and the plots into `output`."""
+              data_dir: Path | None = None, seeds: int | None = None, seed_start: int = 0, horizon: int = 1,
+              primaries_only: bool = False) -> list[tuple[Claim, str]]:
+    """Run the selected claims' grid and write report.md, results.json, the CSVs and the plots into `output`.
+    `seed_start` moves the seeds (a confirmatory run on seeds no test was specified on), `horizon` makes every
+    trained run that many times longer, `primaries_only` runs and judges only the primaries."""
     if jobs < 1:
         raise UserError(f"--jobs={jobs} must be at least 1 (the number of worker processes)")
     if seeds is not None and seeds < 2:
         raise UserError(f"--seeds={seeds} must be at least 2 (a paired interval needs two seeds)")
+    if seed_start < 0 or horizon < 1:
+        raise UserError(f"--seed_start={seed_start} must be ≥ 0 and --horizon={horizon} ≥ 1 (a whole factor of the "
+                        "steps)")
     print(f"normlab study: writing {output}/report.md", flush=True)
     scale = SCALES["quick" if quick else "default"]
     if seeds is not None:
-        scale = replace(scale, seeds=seeds)
-    selected = select(claims)
+        scale = replace(scale, seeds=seeds, init_seeds=max(seeds, scale.init_seeds))
+    scale = replace(scale.longer(horizon), seed_start=seed_start)
+    selected = select(claims, primaries_only)
     data_dir = data_dir or Path("data_cache") / f"study-v{scale.vocab_size}"
     output.mkdir(parents=True, exist_ok=True)
     load_before, start = _load(), time.perf_counter()
@@ -71,7 +78,10 @@ def run_study(output: Path, quick: bool = False, claims: list[int] | None = None
     extra = main_process_measurements(selected, scale, data)
     header = {"command": "normlab study" + (" --quick" if quick else "")
               + (f" --claims {','.join(map(str, claims))}" if claims else "")
-              + (f" --seeds {seeds}" if seeds is not None else "") + f" --jobs {jobs}",
+              + (f" --seeds {seeds}" if seeds is not None else "")
+              + (f" --seed_start {seed_start}" if seed_start else "") + (f" --horizon {horizon}" if horizon > 1 else "")
+              + (" --primaries_only" if primaries_only else "") + f" --jobs {jobs}",
+              "seed_start": seed_start, "horizon": horizon, "primaries_only": primaries_only,
               "jobs": len(todo), "minutes": (time.perf_counter() - start) / 60, "vocab_size": data.vocab_size,
               "machine": f"{platform.machine()} CPU, {os.cpu_count()} cores, {jobs} worker process(es)",
               "load_before": load_before, "load_after": _load(), "claims": [c.number for c in selected]}
@@ -109,14 +119,15 @@ def rejudge(output: Path) -> list[tuple[Claim, str]]:
     """Judge a finished run's measurements again with the committed claims and rewrite its report."""
     doc = load_measurements(output / MEASUREMENTS)
     print(f"normlab study: writing {output}/report.md", flush=True)
-    return write_all(output, doc["scale"], select(doc["header"]["claims"]), doc["results"], doc["extra"],
-                     doc["header"])
+    header = doc["header"]
+    return write_all(output, doc["scale"], select(header["claims"], header.get("primaries_only", False)),
+                     doc["results"], doc["extra"], header)
 
 
 def write_all(output: Path, scale, selected: tuple[Claim, ...], results: dict, extra: dict,
               header: dict) -> list[tuple[Claim, str]]:
     contexts = [Context(scale, roles, results, extra) for roles in roles_of(selected, scale).values()]
-    judged = [(claim, verdict, outcomes, ctx, plot(claim.number, ctx, output))
+    judged = [(claim, verdict, outcomes, ctx, None if claim.primaries_only else plot(claim.number, ctx, output))
               for claim, ctx, (verdict, outcomes) in zip(selected, contexts, judge_all(selected, contexts),
                                                          strict=True)]
     write_report(output, scale, judged, header)
@@ -134,7 +145,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--output", type=Path, default=None, help="report directory (default: runs/study[-quick])")
     ap.add_argument("--data", type=Path, default=None, help="prepared default-corpus directory to use or create")
     ap.add_argument("--seeds", type=int, default=None,
-                    help="seeds per trained configuration (default 6; --quick 2)")
+                    help="seeds per trained configuration (default 6; --quick 2); at-init measurements take at "
+                    "least as many")
+    ap.add_argument("--seed_start", type=int, default=0,
+                    help="first seed (default 0); a confirmatory run takes seeds no test was specified on, e.g. 1000")
+    ap.add_argument("--horizon", type=int, default=1,
+                    help="train every run this many times longer (the horizon check; default 1)")
+    ap.add_argument("--primaries_only", action="store_true",
+                    help="run and judge only the claims' primary tests (no plots, no readings)")
     ap.add_argument("--rejudge", action="store_true",
                     help="judge the measurements saved in the output directory again and rewrite its report "
                     "(no training)")
@@ -145,7 +163,8 @@ def main(argv: list[str] | None = None) -> int:
         verdicts = rejudge(output)
     else:
         verdicts = run_study(output, quick=args.quick, claims=claims, jobs=args.jobs, data_dir=args.data,
-                             seeds=args.seeds)
+                             seeds=args.seeds, seed_start=args.seed_start, horizon=args.horizon,
+                             primaries_only=args.primaries_only)
     for claim, verdict in verdicts:
         print(f"{verdict:<12} {claim.number}. {claim.title}")
     print(f"report: {output / 'report.md'}")

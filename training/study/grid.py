@@ -32,7 +32,7 @@ class Scale:
     xiong_depths: tuple[int, ...]  # claims 5 and 13 (the first is Xiong et al.'s 6)
     lrs: tuple[float, ...]  # claim 6's QK-norm sweep; lrs[0] is the base learning rate of every other run
     post_lrs: tuple[float, ...]  # claims 4, 14-16: post- vs pre-LN; the last is the "high" LR
-    high_post_lrs: tuple[float, ...]  # claim 16e: the same at 10% warm-up on a grid that reaches pre-LN's failure
+    high_post_lrs: tuple[float, ...]  # claim 16: 10% warm-up on a grid that brackets both arms' best LR
     warmups: tuple[float, ...]  # warm-up lengths, fractions of the run (claims 14-16); warmups[1] is the default
     nonorm_lrs: tuple[float, ...]  # claim 17: the no-norm model's LR sweep
     placement_lrs: tuple[float, ...]  # claim 10: pre / sandwich / output
@@ -47,6 +47,17 @@ class Scale:
     val_batches: int = 8  # held-out batches every trained run is scored on
     timing_rounds: int = 30
     wide_dim: int = 512  # claims 19 and 21: the cost at a realistic width
+    seed_start: int = 0  # the seeds are seed_start, seed_start + 1, ...: a confirmatory run takes fresh ones
+
+    def seed_range(self, n: int) -> range:
+        """The `n` seeds of a configuration in this study."""
+        return range(self.seed_start, self.seed_start + n)
+
+    def longer(self, factor: int) -> Scale:
+        """The same study with every trained run `factor` times longer (warm-up stays the same fraction): the
+        horizon check."""
+        return replace(self, steps=self.steps * factor, deep_steps=self.deep_steps * factor,
+                       long_steps=self.long_steps * factor)
 
     @property
     def lr(self) -> float:
@@ -64,7 +75,7 @@ class Scale:
 SCALES = {
     "default": Scale(dim=64, n_heads=4, seq_len=64, batch_size=8, shallow=6, mid=12, deep=24, steps=200,
                      deep_steps=150, long_steps=1000, xiong_depths=(6, 12, 24), lrs=(3e-3, 1e-2, 3e-2, 0.1, 0.3),
-                     post_lrs=(1e-3, 3e-3, 1e-2), high_post_lrs=(1e-3, 3e-3, 1e-2, 3e-2, 0.1),
+                     post_lrs=(1e-3, 3e-3, 1e-2), high_post_lrs=(1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1),
                      warmups=(0.0, 0.1, 0.3), nonorm_lrs=(1e-4, 3e-4, 1e-3, 3e-3),
                      placement_lrs=(3e-3, 3e-2, 0.1), widths=(64, 128, 256), ladder_widths=(64, 128, 256, 512),
                      ladder_depths=(6, 12, 24, 48), init_stds=(0.02, 0.08, 0.125), seeds=6, init_seeds=10,
@@ -72,7 +83,8 @@ SCALES = {
     # A smoke test of the whole pipeline: too few seeds and steps for its verdicts to mean anything.
     "quick": Scale(dim=32, n_heads=2, seq_len=32, batch_size=4, shallow=2, mid=3, deep=4, steps=10, deep_steps=10,
                    long_steps=12, xiong_depths=(2, 4), lrs=(3e-3, 3e-2), post_lrs=(1e-2,),
-                   high_post_lrs=(1e-2, 0.1), warmups=(0.0, 0.1, 0.3), nonorm_lrs=(3e-4, 3e-3), placement_lrs=(0.1,),
+                   high_post_lrs=(1e-3, 1e-2, 0.1), warmups=(0.0, 0.1, 0.3), nonorm_lrs=(3e-4, 3e-3),
+                   placement_lrs=(0.1,),
                    widths=(32, 40, 48),
                    ladder_widths=(32, 48), ladder_depths=(2, 4), init_stds=(0.02, 0.08, 32 ** -0.5), seeds=2,
                    init_seeds=2, ladder_seeds=2, vocab_size=512, val_batches=2, timing_rounds=3, wide_dim=64),

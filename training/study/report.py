@@ -260,7 +260,7 @@ def claim_section(claim: Claim, verdict: str, outcomes: list[Outcome], ctx: Cont
     trend = _trend(claim, ctx)
     if trend:
         lines += [""] + trend
-    reading = READINGS.get(claim.number)
+    reading = None if claim.primaries_only else READINGS.get(claim.number)  # readings quote secondary tests
     text = reading(ctx, _by_id(outcomes)) if reading else ""
     if verdict != "PASS" and claim.if_not_pass:  # the hypothesis the claim stated before the run
         text = f"{text} {claim.if_not_pass}".strip()

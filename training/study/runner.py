@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from data.datamodule import TokenDataModule
-from training.study.claims import Claim
+from training.study.claims import Claim, used_roles
 from training.study.grid import AtInit, Job, Scale, shallow
 from training.study.measure import at_init, toy_no_norm, train_run
 from training.study.timing import norm_share, op_ratios, step_time_ratios
@@ -28,7 +28,7 @@ _WORKER: dict = {}
 
 
 def roles_of(claims: tuple[Claim, ...], scale: Scale) -> dict[int, dict[str, Job]]:
-    return {c.number: c.setup(scale) for c in claims}
+    return {c.number: used_roles(c, c.setup(scale)) for c in claims}
 
 
 def claim_jobs(claims: tuple[Claim, ...], scale: Scale) -> list[tuple[Job, int]]:
@@ -36,7 +36,7 @@ def claim_jobs(claims: tuple[Claim, ...], scale: Scale) -> list[tuple[Job, int]]
     specs: dict[Job, None] = {}
     for roles in roles_of(claims, scale).values():
         specs.update(dict.fromkeys(roles.values()))
-    jobs = [(s, seed) for s in specs for seed in range(seeds_of(s, scale))]
+    jobs = [(s, seed) for s in specs for seed in scale.seed_range(seeds_of(s, scale))]
     return sorted(jobs, key=lambda j: -_cost(j[0], scale))
 
 

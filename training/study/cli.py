@@ -40,6 +40,20 @@ def parse_claims(text: str | None) -> list[int] | None:
     return numbers
 
 
+def _commit() -> str:
+    """The git commit of the code that runs ("+dirty" with uncommitted changes; "unknown" outside git)."""
+    import subprocess
+
+    root = Path(__file__).resolve().parents[2]
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, check=True)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                               capture_output=True, text=True, check=True)
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
+
+
 def _load() -> str:
     try:
         return " ".join(f"{x:.2f}" for x in os.getloadavg())
@@ -81,7 +95,7 @@ def run_study(output: Path, quick: bool = False, claims: list[int] | None = None
               + (f" --seeds {seeds}" if seeds is not None else "")
               + (f" --seed_start {seed_start}" if seed_start else "") + (f" --horizon {horizon}" if horizon > 1 else "")
               + (" --primaries_only" if primaries_only else "") + f" --jobs {jobs}",
-              "seed_start": seed_start, "horizon": horizon, "primaries_only": primaries_only,
+              "seed_start": seed_start, "horizon": horizon, "primaries_only": primaries_only, "commit": _commit(),
               "jobs": len(todo), "minutes": (time.perf_counter() - start) / 60, "vocab_size": data.vocab_size,
               "machine": f"{platform.machine()} CPU, {os.cpu_count()} cores, {jobs} worker process(es)",
               "load_before": load_before, "load_after": _load(), "claims": [c.number for c in selected]}

@@ -20,43 +20,15 @@ family) and the Benjamini–Hochberg q across the claims judged here.
 from __future__ import annotations
 
 import argparse
-import csv
 import math
 import re
 from pathlib import Path
 
 from training.study.claims import CLAIMS, MECHANISM, PRIMARY, SECONDARY, Claim, Test
+from training.study.confirmation import csv_outcome, measurements, runs_results
 from training.study.grid import SCALES, Train
-from training.study.judge import Outcome, bh_scorecard, combine, from_samples, judge_tests, measure
+from training.study.judge import Outcome, bh_scorecard, combine, judge_tests
 from training.study.statistics import Context
-
-RUN_STATS = ("final_loss", "best_lr_loss", "lr_sensitivity", "loss_gap", "diverged_runs")
-
-
-def _float(text: str) -> float:
-    return float(text) if text else math.nan
-
-
-def runs_results(path: Path) -> dict[str, list[dict]]:
-    """Per configuration label, its runs in seed order as the study's statistics read them."""
-    out: dict[str, dict[int, dict]] = {}
-    for row in csv.DictReader(path.open()):
-        out.setdefault(row["configuration"], {})[int(row["seed"])] = {
-            "val_loss": _float(row["held_out_loss"]), "losses": [_float(row["initial_loss"])],
-            "diverged_at": 0 if row["outcome"] == "diverged" else None, "probes": {}}
-    return {label: [runs[s] for s in sorted(runs)] for label, runs in out.items()}
-
-
-def measurements(path: Path) -> dict[str, tuple[str, str, str, list[float], list[float] | None]]:
-    """Per test id: (statistic, role a, role b, per-seed a, per-seed b or None)."""
-    out: dict[str, tuple] = {}
-    for row in csv.DictReader(path.open()):
-        stat, a, b, samples_a, samples_b = out.setdefault(row["test"], (row["statistic"], row["role_a"],
-                                                                        row["role_b"], [], []))
-        samples_a.append(float(row["value_a"]))
-        if row["value_b"]:
-            samples_b.append(float(row["value_b"]))
-    return {k: (s, a, b, xs, ys or None) for k, (s, a, b, xs, ys) in out.items()}
 
 
 def old_verdicts(report: Path) -> dict[str, str]:
@@ -64,19 +36,6 @@ def old_verdicts(report: Path) -> dict[str, str]:
     # a claim section's row; the flags sat inside the bold in v3 (**PASS †**), after it now (**PASS** † ‡)
     row = r"^\| (\w+): .*? \| \w[\w ]* \| [^|]* \| \*\*(\w+)(?: †)?\*\*(?: [†‡])* \|"
     return dict(re.findall(row, report.read_text(), flags=re.M))
-
-
-def _outcome(test: Test, ctx: Context, csv_values: dict) -> Outcome | None:
-    if test.stat in RUN_STATS:
-        try:
-            return measure(ctx, test)
-        except KeyError:  # a role whose runs the study did not make
-            return None
-    if test.id in csv_values:
-        stat, a, b, xs, ys = csv_values[test.id]
-        if (stat, a, b or None) == (test.stat, test.a, test.b):
-            return from_samples(test, xs, ys)
-    return None
 
 
 def rejudge(study: Path, extra: list[Path]) -> list[str]:
@@ -92,13 +51,13 @@ def rejudge(study: Path, extra: list[Path]) -> list[str]:
         results = {spec: runs[spec.label()] for spec in roles.values()
                    if isinstance(spec, Train) and spec.label() in runs}
         ctx = Context(scale, roles, results)
-        outs = [_outcome(t, ctx, csv_values) for t in claim.primaries]
+        outs = [csv_outcome(t, ctx, csv_values) for t in claim.primaries]
         ready = [o for o in outs if o is not None]
         judge_tests(ready)
         judged += [o for o in ready if o.judgement is not None]
         rows.append((claim, outs))
         for test in (t for t in claim.tests if t.tier in (SECONDARY, MECHANISM) and t.id in old):
-            o = _outcome(test, ctx, csv_values)
+            o = csv_outcome(test, ctx, csv_values)
             if o is not None:
                 judge_tests([o])
             if o is None or o.verdict != old[test.id]:

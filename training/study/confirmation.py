@@ -1,0 +1,191 @@
+"""The study's scorecard of record: each claim's exploratory verdict beside its confirmatory one, and the horizon
+check.
+
+- **Exploratory**: a committed study run (seeds 0–5 trained, 0–9 at init), judged again from its CSVs with the
+  current claims (`judge_csv`). A primary whose test was fixed after that run's data had been seen
+  (`training.study.claims.SPECIFIED_AFTER`) is "specified after" there: its exploratory verdict shows what the
+  data said, not a test.
+- **Confirmatory**: `normlab study --seed_start 1000 --primaries_only` runs of the claims, on seeds disjoint from
+  every seed a test was specified on. A claim's verdict is its confirmatory one wherever it has one.
+- **Horizon**: the same confirmatory run with every trained run twice as long (`--horizon 2`, same seeds). A claim
+  whose verdict differs between the two horizons is "horizon-dependent": at this scale its answer depends on how
+  long the models train.
+
+Each run directory's `results.json` (written by `normlab study`) is read as it is; nothing is recomputed from
+runs here except the exploratory CSVs.
+"""
+from __future__ import annotations
+
+import csv
+import json
+import math
+from pathlib import Path
+
+from training.errors import UserError
+from training.study.claims import CLAIMS, Claim, Test
+from training.study.grid import SCALES, Train
+from training.study.judge import Outcome, bh_scorecard, combine, from_samples, judge_tests, measure
+from training.study.statistics import Context
+
+RUN_STATS = ("final_loss", "best_lr_loss", "lr_sensitivity", "loss_gap", "diverged_runs", "lr_reach",
+             "high_lr_sensitivity")
+HORIZON_DEPENDENT = "horizon-dependent"
+
+
+def _float(text: str) -> float:
+    return float(text) if text else math.nan
+
+
+def runs_results(path: Path) -> dict[str, list[dict]]:
+    """Per configuration label of a study's runs.csv, its runs in seed order as the study's statistics read them."""
+    out: dict[str, dict[int, dict]] = {}
+    for row in csv.DictReader(path.open()):
+        out.setdefault(row["configuration"], {})[int(row["seed"])] = {
+            "val_loss": _float(row["held_out_loss"]), "losses": [_float(row["initial_loss"])],
+            "diverged_at": 0 if row["outcome"] == "diverged" else None, "probes": {}}
+    return {label: [runs[s] for s in sorted(runs)] for label, runs in out.items()}
+
+
+def measurements(path: Path) -> dict[str, tuple[str, str, str, list[float], list[float] | None]]:
+    """Per test id of a study's measurements.csv: (statistic, role a, role b, per-seed a, per-seed b or None)."""
+    out: dict[str, tuple] = {}
+    for row in csv.DictReader(path.open()):
+        stat, a, b, samples_a, samples_b = out.setdefault(row["test"], (row["statistic"], row["role_a"],
+                                                                        row["role_b"], [], []))
+        samples_a.append(float(row["value_a"]))
+        if row["value_b"]:
+            samples_b.append(float(row["value_b"]))
+    return {k: (s, a, b, xs, ys or None) for k, (s, a, b, xs, ys) in out.items()}
+
+
+def csv_outcome(test: Test, ctx: Context, csv_values: dict) -> Outcome | None:
+    """A test measured from a study's CSVs: statistics of held-out losses from runs.csv (through the study's own
+    statistics), others from measurements.csv when the test's statistic and roles are unchanged; None when the
+    run did not make what the test reads."""
+    if test.stat in RUN_STATS:
+        try:
+            return measure(ctx, test)
+        except (KeyError, IndexError):  # a role whose runs the study did not make
+            return None
+    if test.id in csv_values:
+        stat, a, b, xs, ys = csv_values[test.id]
+        if (stat, a, b or None) == (test.stat, test.a, test.b):
+            return from_samples(test, xs, ys)
+    return None
+
+
+def judge_csv(study: Path) -> dict[int, tuple[str, list[tuple[Test, Outcome | None]]]]:
+    """Per claim, the verdict of its current primaries on a committed study's CSVs ("awaits the next run" when a
+    primary reads runs the study did not make), and each primary's outcome."""
+    runs, csv_values = runs_results(study / "runs.csv"), measurements(study / "measurements.csv")
+    scale = SCALES["default"]
+    out, judged = {}, []
+    for claim in CLAIMS:
+        roles = claim.setup(scale)
+        results = {spec: runs[spec.label()] for spec in roles.values()
+                   if isinstance(spec, Train) and spec.label() in runs}
+        ctx = Context(scale, roles, results)
+        outs = [csv_outcome(t, ctx, csv_values) for t in claim.primaries]
+        ready = [o for o in outs if o is not None]
+        judge_tests(ready)
+        judged += [o for o in ready if o.judgement is not None]
+        verdict = AWAITS if any(o is None for o in outs) else combine([o.verdict for o in outs])
+        out[claim.number] = (verdict, list(zip(claim.primaries, outs, strict=True)))
+    bh_scorecard(judged)
+    return out
+
+
+AWAITS = "awaits a run"
+
+
+def read_run(path: Path) -> dict[int, dict]:
+    """Per claim of a `normlab study` run directory: its verdict, primary tests (as results.json has them), and
+    the run's seeds and horizon."""
+    file = path / "results.json"
+    try:
+        doc = json.loads(file.read_text())
+        header = doc["header"]
+        claims = doc["claims"]
+    except (OSError, ValueError, KeyError) as e:
+        raise UserError(f"{file}: not a study's results.json ({type(e).__name__}); give a `normlab study` output "
+                        "directory") from None
+    start = int(header.get("seed_start", 0))
+    out = {}
+    for c in claims:
+        primaries = {t["id"]: t for t in c["tests"] if t["tier"] == "primary"}
+        n = max((t["a"]["n"] for t in primaries.values() if t.get("a")), default=0)
+        out[c["number"]] = {"verdict": c["verdict"], "tests": primaries, "seeds": range(start, start + n),
+                            "horizon": int(header.get("horizon", 1)), "dir": path.name}
+    return out
+
+
+def _estimate(test: dict) -> str:
+    """A primary's estimate as results.json has it: the paired difference a − b (or one role's statistic)."""
+    e = test.get("diff") if test.get("b") else test.get("a")
+    if not e or not math.isfinite(e["mean"]):
+        return "—"
+    shift = test.get("threshold", 0.0) if test.get("b") else 0.0  # the judged difference is a − b − threshold
+    return f"{e['mean'] + shift:.3g} [{e['lo'] + shift:.3g}, {e['hi'] + shift:.3g}]"
+
+
+def _seeds(r: range) -> str:
+    return f"seeds {r.start}–{r.stop - 1}" if len(r) else "—"
+
+
+def horizon_label(one: str | None, two: str | None) -> str:
+    """"horizon-dependent" when a claim's verdict differs between the two horizons; "" when it holds (or was not
+    checked)."""
+    return HORIZON_DEPENDENT if one and two and one != two else ""
+
+
+def specified(claim: Claim, seeds: range) -> str:
+    """"after" when any primary of the claim was fixed after data on some of these seeds had been seen."""
+    from training.study.claims import SPECIFIED_AFTER
+
+    hit = [t.id for t in claim.primaries if set(SPECIFIED_AFTER.get(t.id, ())) & set(seeds)]
+    return "after (" + ", ".join(hit) + ")" if hit else "before"
+
+
+def scorecard(exploratory: Path, confirms: list[Path], horizon: Path | None) -> list[str]:
+    """The scorecard of record as Markdown lines: per claim, exploratory and confirmatory verdicts side by side,
+    the horizon check, and the claim's verdict (the confirmatory one where it exists)."""
+    explo = judge_csv(exploratory)
+    conf: dict[int, dict] = {}
+    for path in confirms:
+        conf |= read_run(path)
+    hor = read_run(horizon) if horizon else {}
+    lines = ["| claim | evidence of | primary | exploratory (seeds 0–5; init 0–9): verdict, estimate; specified | "
+             "confirmatory: verdict, estimate; seeds | horizon ×2 (same seeds) | **verdict of record** |",
+             "|---|---|---|---|---|---|---|"]
+    for claim in CLAIMS:
+        ev, outs = explo[claim.number]
+        c, h = conf.get(claim.number), hor.get(claim.number)
+        explo_seeds = range(0, 10)
+        for i, (test, o) in enumerate(outs):
+            e_text = "—" if o is None else f"{o.verdict}, {_ci(o)}"
+            if c is not None and test.id in c["tests"]:
+                t = c["tests"][test.id]
+                c_text = f"{t['verdict']}, {_estimate(t)}; {_seeds(c['seeds'])}"
+            else:
+                c_text = "—"
+            h_text = "—"
+            if h is not None and test.id in h["tests"]:
+                h_text = f"{h['tests'][test.id]['verdict']}, {_estimate(h['tests'][test.id])}"
+            if i == 0:
+                record = c["verdict"] if c is not None else ev
+                label = horizon_label(c["verdict"] if c else None, h["verdict"] if h else None)
+                head = (f"{claim.number}. {claim.title}", claim.evidence,
+                        f"**{record}**" + (f" ({label}: ×2 gives {h['verdict']})" if label else ""))
+            else:
+                head = ("", "", "")
+            lines.append(f"| {head[0]} | {head[1]} | {test.id} | {e_text}; {specified(claim, explo_seeds)} | "
+                         f"{c_text} | {h_text} | {head[2]} |")
+    return lines
+
+
+def _ci(o: Outcome) -> str:
+    e = o.judged
+    if not math.isfinite(e.mean):
+        return "—"
+    shift = o.test.threshold if o.b is not None else 0.0
+    return f"{e.mean + shift:.3g} [{e.lo + shift:.3g}, {e.hi + shift:.3g}]"

@@ -18,6 +18,7 @@ from training.study.claims import CLAIMS, Claim, select
 from training.study.grid import SCALES, Arch, AtInit, Scale, Train
 from training.study.judge import judge_all
 from training.study.plots import plot
+from training.study.provenance import provenance
 from training.study.report import write_csvs, write_report, write_results
 from training.study.runner import claim_jobs, load_data, main_process_measurements, roles_of, run_jobs
 from training.study.statistics import Context
@@ -74,7 +75,8 @@ def run_study(output: Path, quick: bool = False, claims: list[int] | None = None
               + (f" --seeds {seeds}" if seeds is not None else "") + f" --jobs {jobs}",
               "jobs": len(todo), "minutes": (time.perf_counter() - start) / 60, "vocab_size": data.vocab_size,
               "machine": f"{platform.machine()} CPU, {os.cpu_count()} cores, {jobs} worker process(es)",
-              "load_before": load_before, "load_after": _load(), "claims": [c.number for c in selected]}
+              "load_before": load_before, "load_after": _load(), "claims": [c.number for c in selected],
+              **provenance(scale)}
     # Every measurement, before any judging: `--rejudge` rebuilds the report from it without rerunning.
     save_measurements(output / MEASUREMENTS, {"scale": scale, "results": results, "extra": extra, "header": header})
     return write_all(output, scale, selected, results, extra, header)
@@ -121,7 +123,7 @@ def write_all(output: Path, scale, selected: tuple[Claim, ...], results: dict, e
                                                          strict=True)]
     write_report(output, scale, judged, header)
     write_results(output, judged, results, header)
-    write_csvs(output, judged, results)
+    write_csvs(output, judged, results, header)
     return [(c, v) for c, v, *_ in judged]
 
 

@@ -14,7 +14,8 @@ import subprocess
 from collections.abc import Sequence
 from pathlib import Path
 
-from training.study.claims import CLAIMS, Claim
+from training.study import claims as claims_module
+from training.study.claims import Claim
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -25,8 +26,10 @@ def claims_data(claims: Sequence[Claim]) -> list[dict]:
              "tests": [dataclasses.asdict(t) for t in c.tests]} for c in claims]
 
 
-def claims_sha256(claims: Sequence[Claim] = CLAIMS) -> str:
-    """sha256 of the canonical JSON serialization of `claims` (sorted keys, no whitespace)."""
+def claims_sha256(claims: Sequence[Claim] | None = None) -> str:
+    """sha256 of the canonical JSON serialization of `claims` (sorted keys, no whitespace); by default the
+    claims the study judges with (`claims.CLAIMS`, read at the call)."""
+    claims = claims_module.CLAIMS if claims is None else claims
     text = json.dumps(claims_data(claims), sort_keys=True, separators=(",", ":"), ensure_ascii=False)
     return hashlib.sha256(text.encode()).hexdigest()
 

@@ -18,6 +18,7 @@ from training.study.claims import CLAIMS, Claim, select
 from training.study.grid import SCALES, Arch, AtInit, Scale, Train
 from training.study.judge import judge_all
 from training.study.plots import plot
+from training.study.provenance import provenance
 from training.study.report import write_csvs, write_report, write_results
 from training.study.runner import claim_jobs, load_data, main_process_measurements, roles_of, run_jobs
 from training.study.statistics import Context
@@ -38,20 +39,6 @@ def parse_claims(text: str | None) -> list[int] | None:
         raise UserError(f"--claims={text!r} must be a comma-separated list of claim numbers from {valid}, "
                         "e.g. --claims 1,5")
     return numbers
-
-
-def _commit() -> str:
-    """The git commit of the code that runs ("+dirty" with uncommitted changes; "unknown" outside git)."""
-    import subprocess
-
-    root = Path(__file__).resolve().parents[2]
-    try:
-        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, check=True)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
-                               capture_output=True, text=True, check=True)
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-    return head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
 
 
 def _load() -> str:
@@ -83,6 +70,7 @@ def run_study(output: Path, quick: bool = False, claims: list[int] | None = None
     data_dir = data_dir or Path("data_cache") / f"study-v{scale.vocab_size}"
     output.mkdir(parents=True, exist_ok=True)
     load_before, start = _load(), time.perf_counter()
+    prov = provenance(scale)  # the code and claims as the run starts
     ensure_default_corpus(data_dir, vocab_size=scale.vocab_size)
     data = load_data(data_dir, scale)
     scale = replace(scale, vocab_size=data.vocab_size)
@@ -95,10 +83,11 @@ def run_study(output: Path, quick: bool = False, claims: list[int] | None = None
               + (f" --seeds {seeds}" if seeds is not None else "")
               + (f" --seed_start {seed_start}" if seed_start else "") + (f" --horizon {horizon}" if horizon > 1 else "")
               + (" --primaries_only" if primaries_only else "") + f" --jobs {jobs}",
-              "seed_start": seed_start, "horizon": horizon, "primaries_only": primaries_only, "commit": _commit(),
+              "seed_start": seed_start, "horizon": horizon, "primaries_only": primaries_only,
               "jobs": len(todo), "minutes": (time.perf_counter() - start) / 60, "vocab_size": data.vocab_size,
               "machine": f"{platform.machine()} CPU, {os.cpu_count()} cores, {jobs} worker process(es)",
-              "load_before": load_before, "load_after": _load(), "claims": [c.number for c in selected]}
+              "load_before": load_before, "load_after": _load(), "claims": [c.number for c in selected],
+              **prov}
     # Every measurement, before any judging: `--rejudge` rebuilds the report from it without rerunning.
     save_measurements(output / MEASUREMENTS, {"scale": scale, "results": results, "extra": extra, "header": header})
     return write_all(output, scale, selected, results, extra, header)
@@ -146,7 +135,7 @@ def write_all(output: Path, scale, selected: tuple[Claim, ...], results: dict, e
                                                          strict=True)]
     write_report(output, scale, judged, header)
     write_results(output, judged, results, header)
-    write_csvs(output, judged, results)
+    write_csvs(output, judged, results, header)
     return [(c, v) for c, v, *_ in judged]
 
 

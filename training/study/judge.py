@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from training.stats import (
     ALPHA,
@@ -66,8 +66,15 @@ class Outcome:
 
     @property
     def shown(self) -> Estimate:
-        """The estimate a reader compares with the threshold: one role's statistic, or the paired difference."""
-        return self.a if self.b is None else self.judged
+        """The estimate a reader compares with the threshold: one role's statistic, or the raw paired difference
+        mean(a − b) with its interval (the judged difference moved back by the threshold, so the printed number
+        is the measured one and the threshold sits beside it)."""
+        if self.b is None:
+            return self.a
+        e, t = self.judged, self.test.threshold
+        if not t:
+            return e
+        return replace(e, mean=e.mean + t, lo=e.lo + t, hi=e.hi + t, samples=tuple(x + t for x in e.samples))
 
     @property
     def p(self) -> dict[str, float]:
@@ -95,12 +102,12 @@ class Outcome:
         t = self.test
         if self.b is None:
             return f"{t.a}: {self.a}"
-        text = f"{t.a}: {self.a}; {t.b}: {self.b}; paired difference {self.diff}"
+        text = f"{t.a}: {self.a}; {t.b}: {self.b}; paired difference {self.shown}"
         if self.welch is not None and math.isfinite(self.welch.mean) and self.welch.df:
             text += f" (Welch: CI [{self.welch.lo:.3g}, {self.welch.hi:.3g}], df {self.welch.df:.1f})"
-        if self.bootstrap is not None:
-            text += (f"; bootstrap with the best LR chosen again per resample: [{self.bootstrap[0]:.3g}, "
-                     f"{self.bootstrap[1]:.3g}]")
+        if self.bootstrap is not None:  # kept on the judged scale: shown here on the raw difference's
+            text += (f"; bootstrap with the best LR chosen again per resample: [{self.bootstrap[0] + t.threshold:.3g}, "
+                     f"{self.bootstrap[1] + t.threshold:.3g}]")
         if sum(self.discordant):
             text += f"; diverged in {t.a} only: {self.discordant[0]}, in {t.b} only: {self.discordant[1]}"
         return text

@@ -12,10 +12,12 @@ from pathlib import Path
 
 from data.atomic import write_text_atomic
 from training.stats import ALPHA, estimate
-from training.study.claims import MECHANISM, PRIMARY, REPORT, REVISIONS, SECONDARY, Claim
+from training.study.claims import MECHANISM, PRIMARY, REPORT, REVISIONS, SECONDARY, Claim, specified
 from training.study.grid import AtInit, Scale, Train
 from training.study.judge import Outcome
 from training.study.measure import final_loss, outcome
+from training.study.provenance import claims_sha256, header_seeds
+from training.study.scorecard import deciding_null, mirror_lines, power_cell
 from training.study.statistics import STATISTICS, Context, best_lr_index
 
 TIER_LABEL = {PRIMARY: "primary", SECONDARY: "secondary", MECHANISM: "mechanism check", REPORT: "report"}
@@ -227,10 +229,11 @@ def _role_rows(ctx: Context) -> list[str]:
 
 
 def _margin(o: Outcome) -> str:
+    """The margin and, where the test compares with one, the threshold (estimates are printed unshifted)."""
     t = o.test
-    if t.kind in ("less", "greater") and t.threshold and not t.margin:
-        return f"threshold {t.threshold:.3g}"
-    return "—" if t.margin is None else f"±{t.margin:.3g}"
+    parts = ([] if t.margin is None else [f"±{t.margin:.3g}"]) + \
+        ([f"threshold {t.threshold:.4g}"] if t.threshold and t.kind != "exact" else [])
+    return "; ".join(parts) or "—"
 
 
 def claim_section(claim: Claim, verdict: str, outcomes: list[Outcome], ctx: Context, plot: str | None) -> list[str]:
@@ -285,27 +288,36 @@ def _p(x: float | None) -> str:
 def _flags(o: Outcome) -> str:
     """† the effect is shown but its interval reaches inside the margin; ‡ the sign-flip test disagrees."""
     flags = ""
+    e = o.judged  # the difference from the threshold: what the margin is about
     if o.verdict == "PASS" and o.test.margin and o.test.kind != "equivalent" and \
-            abs(o.shown.lo if o.shown.mean > 0 else o.shown.hi) < o.test.margin:
+            abs(e.lo if e.mean > 0 else e.hi) < o.test.margin:
         flags += " †"
     return flags + (" ‡" if o.disagree else "")
 
 
-def summary_rows(judged: list) -> list[str]:
-    """One row per primary test (the claim's verdict on its first row)."""
-    rows = ["| claim | evidence of | primary test | margin | verdict | effect [95% CI] | p (t / sign-flip) | "
-            "q (BH), verdict at FDR 5% | power at the margin | MDE (80%) |", "|---" * 10 + "|"]
+def _deciding_p(o: Outcome) -> tuple[str, str]:
+    """The p (t / sign-flip) and q cells of the null that decided the verdict, each naming that null."""
+    key = deciding_null(o)
+    if key is None:
+        return "—", f"—, {o.verdict_bh}"
+    return (f"{_p(o.p.get(key))} / {_p(o.p.get(key + '_perm'))} ({key})",
+            f"{_p(o.q.get(key))} ({key}), {o.verdict_bh}")
+
+
+def summary_rows(judged: list, seeds: range = range(0)) -> list[str]:
+    """One row per primary test (the claim's verdict on its first row); `seeds`, the run's, decide whether each
+    test was specified before or after its data (`claims.specified`)."""
+    rows = ["| claim | evidence of | primary test | specified | margin | verdict | effect [95% CI] | "
+            "p (t / sign-flip) | q (BH), verdict at FDR 5% | power at the margin | MDE (80%) |", "|---" * 11 + "|"]
     for claim, verdict, outcomes, _, _ in judged:
         for i, o in enumerate(x for x in outcomes if x.test.tier == PRIMARY):
-            key = "difference" if o.test.kind != "equivalent" else "equivalence"
-            power = "—" if math.isnan(o.power) else f"{o.power:.0%}"
             mde = "—" if math.isnan(o.mde) else f"{o.mde:.3g}"
-            perm = key + "_perm"
             head = f"{claim.number}. {claim.title}" if i == 0 else ""
             shown = f"**{verdict}**{_flags(o)}" if i == 0 else f"{o.verdict}{_flags(o)}"
+            p, q = _deciding_p(o)
             rows.append(f"| {head} | {claim.evidence if i == 0 else ''} | {o.test.id}: {_cell(o.test.text)} | "
-                        f"{_margin(o)} | {shown} | {_effect(o)} | {_p(o.p.get(key))} / {_p(o.p.get(perm))} | "
-                        f"{_p(o.q.get(key))}, {o.verdict_bh} | {power} | {mde} |")
+                        f"{specified(o.test.id, seeds)} | {_margin(o)} | {shown} | {_effect(o)} | {p} | {q} | "
+                        f"{power_cell(o)} | {mde} |")
     return rows
 
 
@@ -322,7 +334,15 @@ SUMMARY = (
     "of 0), from the observed spread, at the level the verdict uses (α/k for k primaries). MDE: the smallest "
     "effect detected with 80% power at that level, this n and spread. †: the effect is shown to exist, but its "
     "interval reaches inside the margin, so it may be smaller than matters. ‡: the sign-flip test gives another "
-    "verdict: the t-test's rests on normal tails. 'Evidence of': finding (about normalization at this scale), "
+    "verdict: the t-test's rests on normal tails. p and q are those of the null whose rejection decided the "
+    "verdict, named beside them: 'difference' (no effect; PASS or FAIL of a directional claim, FAIL of an "
+    "equivalence claim) or 'equivalence' (TOST: an effect of at least one margin; EQUIVALENT of a directional "
+    "claim, PASS of an equivalence claim). 'Specified': before or after data on this run's seeds had been seen "
+    "(a test defined after seeing them is a replication on those seeds, not a blind test). 'Uninformative' in "
+    "the power column: power at the margin below 50%, so the test was more likely to miss an effect of one "
+    "margin than to see it; a PASS there overstates the effect's size (type M). Estimates are the raw "
+    "statistic or paired difference; a threshold the claim compares with is printed in the margin column. "
+    "'Evidence of': finding (about normalization at this scale), "
     "limit (of this setup: horizon, size), construction (holds by design), implementation (of normlab's kernels "
     "or this machine).")
 
@@ -369,6 +389,23 @@ def _setup(scale: Scale, header: dict) -> str:
             f"{scale.val_batches} held-out batches: 'held-out loss' below.")
 
 
+def _provenance(header: dict) -> str:
+    """The report's provenance line: the code that measured, the claims that judged, the seeds."""
+    now = claims_sha256()
+    line = (f"Code: commit {header.get('commit', 'unknown (not recorded by this run)')}; claims sha256 {now} (the "
+            "claims this report was judged with)")
+    if header.get("claims_sha256", now) != now:
+        line += f"; measured under claims sha256 {header['claims_sha256']}"
+    if "seeds" in header:
+        line += f"; seeds {header['seeds'][0]}–{header['seeds'][1]}"
+    return line + "."
+
+
+def _warnings(judged: list) -> list[str]:
+    lines = [w for _, _, outcomes, _, _ in judged for w in mirror_lines(outcomes)]
+    return ["", *lines] if lines else []
+
+
 def write_report(out: Path, scale: Scale, judged: list, header: dict) -> None:
     """report.md: the summary table first, then the setup and rules, the revisions, one section per claim."""
     lines = [
@@ -376,7 +413,9 @@ def write_report(out: Path, scale: Scale, judged: list, header: dict) -> None:
         f"`{header['command']}` — {header['jobs']} job(s) (trained runs and at-init measurements), "
         f"{header['minutes']:.1f} minutes wall time on {header['machine']}; load average "
         f"{header['load_before']} before and {header['load_after']} after the run.", "",
-        "## Summary", "", SUMMARY, "", *summary_rows(judged),
+        _provenance(header), "",
+        "## Summary", "", SUMMARY, "", *summary_rows(judged, header_seeds(header, scale)),
+        *_warnings(judged),
         "", "## Setup", "", _setup(scale, header), "",
         "## Verdict rules", "", *(f"- {r}" for r in RULES), "",
         "## Tests revised after a run", "", *(f"- {r}" for r in REVISIONS), ""]
@@ -384,6 +423,17 @@ def write_report(out: Path, scale: Scale, judged: list, header: dict) -> None:
         lines += claim_section(claim, verdict, outcomes, ctx, plot)
     lines += ["Per-seed measurements: `measurements.csv` (every test's per-seed values) and `runs.csv` (every run)."]
     write_text_atomic(out / "report.md", "\n".join(lines) + "\n")
+
+
+VERDICT_COLUMNS = ["verdict", "estimate", "ci_lo", "ci_hi", "null", "p", "q"]
+
+
+def verdict_columns(o: Outcome) -> list[str]:
+    """A test's verdict, its printed estimate and interval, and the deciding null with its p and q: what a
+    generated comparison of two runs reads (`training.study.changes`)."""
+    e, key = o.shown, deciding_null(o)
+    return [o.verdict, repr(e.mean), repr(e.lo), repr(e.hi), key or "", repr(o.p[key]) if key else "",
+            repr(o.q[key]) if key and key in o.q else ""]
 
 
 def _est(e) -> dict | None:
@@ -417,15 +467,22 @@ def _csv(rows: list[list]) -> str:
     return buf.getvalue()
 
 
-def write_csvs(out: Path, judged: list, results: dict) -> None:
-    """measurements.csv: every test's per-seed values; runs.csv: every trained run's held-out loss and outcome."""
-    rows = [["claim", "test", "tier", "statistic", "role_a", "role_b", "seed", "value_a", "value_b"]]
-    for claim, _, outcomes, _, _ in judged:
+def write_csvs(out: Path, judged: list, results: dict, header: dict | None = None) -> None:
+    """measurements.csv: every test's per-seed values, with its verdict and the numbers the report prints for it
+    (`verdict_columns`) and the run's provenance on every row; runs.csv: every trained run's held-out loss and
+    outcome."""
+    header = header or {}
+    prov = [header.get("commit", "unknown"), claims_sha256()]
+    rows = [["claim", "test", "tier", "statistic", "role_a", "role_b", "seed", "value_a", "value_b",
+             *VERDICT_COLUMNS, "specified", "commit", "claims_sha256"]]
+    for claim, _, outcomes, ctx, _ in judged:
+        run = header_seeds(header, ctx.scale)
         for o in outcomes:
+            judged_as = [*verdict_columns(o), specified(o.test.id, run)]
             for seed, x in enumerate(o.samples_a):
                 y = o.samples_b[seed] if o.samples_b is not None and seed < len(o.samples_b) else ""
-                rows.append([claim.number, o.test.id, o.test.tier, o.test.stat, o.test.a, o.test.b or "", seed,
-                             repr(x), repr(y) if y != "" else ""])
+                rows.append([claim.number, o.test.id, o.test.tier, o.test.stat, o.test.a, o.test.b or "",
+                             seed, repr(x), repr(y) if y != "" else "", *judged_as, *prov])
     write_text_atomic(out / "measurements.csv", _csv(rows))
     runs = [["configuration", "seed", "lr", "warmup", "steps", "held_out_loss", "initial_loss", "outcome",
              "diverged_at", "seconds"]]

@@ -56,8 +56,9 @@ def test_claims_hash_is_stable_and_sees_every_judging_field():
     assert claims_sha256(same) == claims_sha256(CLAIMS) == claims_sha256()
     c = CLAIMS[3]
     for change in ({"margin": 0.07}, {"threshold": 0.01}, {"kind": "less"}, {"params": {"k": 2.0}},
-                   {"tier": "mechanism"}, {"stat": "final_loss"}, {"a": "pre-w0@0"}, {"text": "another"}):
-        changed = CLAIMS[:3] + (replace(c, tests=(replace(c.tests[0], **change),) + c.tests[1:]),) + CLAIMS[4:]
+                   {"tier": "mechanism"}, {"stat": "best_lr_loss"}, {"a": "pre-w0@0"}, {"text": "another"}):
+        tests = c.tests[:1] + (replace(c.tests[1], **change),) + c.tests[2:]
+        changed = CLAIMS[:3] + (replace(c, tests=tests),) + CLAIMS[4:]
         # wording is how a verdict is read, not how it is reached
         assert (claims_sha256(changed) == claims_sha256(CLAIMS)) == ("text" in change), change
     relabelled = CLAIMS[:8] + (replace(CLAIMS[8], evidence="finding", title="another"),) + CLAIMS[9:]
@@ -89,11 +90,11 @@ def test_report_and_csv_record_the_run_and_the_claims_they_were_judged_with(tmp_
 
 def test_a_test_specified_after_seeds_0_to_5_is_before_on_a_confirmatory_run(tmp_path):
     claim = BY_NUMBER[4]
-    e4 = next(t for t in claim.tests if t.id == "4e")
-    judged = _judged(claim, [_outcome(e4, 0.3)])
-    assert _rows(judged, range(0, 6))["4e"]["specified"] == "after"
-    assert _rows(judged, range(1000, 1006))["4e"]["specified"] == "before"
-    other = replace(e4, id="4z")
+    f4 = next(t for t in claim.tests if t.id == "4f")
+    judged = _judged(claim, [_outcome(f4, 0.3)])
+    assert _rows(judged, range(0, 6))["4f"]["specified"] == "after"
+    assert _rows(judged, range(1000, 1006))["4f"]["specified"] == "before"
+    other = replace(f4, id="4z")
     assert _rows(_judged(claim, [_outcome(other, 0.3)]), range(0, 6))["4z"]["specified"] == "before"
     for first, expected in ((0, "after"), (1000, "before")):
         write_csvs(tmp_path, judged, {}, {"seeds": [first, first + 5]})

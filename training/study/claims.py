@@ -591,9 +591,11 @@ def used_roles(claim: Claim, roles: dict[str, Job]) -> dict[str, Job]:
             else:
                 members = [name] if name in roles else family(name)
             swap = t.params.get("swap")
+            if not members:
+                raise ValueError(f"claim {claim.number}: test {t.id} names {name!r}, which its setup lacks")
             keep.update(members)
             keep.update(m.replace(*swap, 1) for m in members if swap)
     missing = keep - set(roles)
-    if missing or not keep:
+    if missing:
         raise ValueError(f"claim {claim.number}: its primaries name roles its setup lacks: {sorted(missing)}")
     return {r: j for r, j in roles.items() if r in keep}

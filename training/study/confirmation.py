@@ -22,7 +22,7 @@ import math
 from pathlib import Path
 
 from training.errors import UserError
-from training.study.claims import CLAIMS, Claim, Test
+from training.study.claims import CLAIMS, Test, specified
 from training.study.grid import SCALES, Train
 from training.study.judge import Outcome, bh_scorecard, combine, from_samples, judge_tests, measure
 from training.study.statistics import Context
@@ -138,12 +138,9 @@ def horizon_label(one: str | None, two: str | None) -> str:
     return HORIZON_DEPENDENT if one and two and one != two else ""
 
 
-def specified(claim: Claim, seeds: range) -> str:
-    """"after" when any primary of the claim was fixed after data on some of these seeds had been seen."""
-    from training.study.claims import SPECIFIED_AFTER
-
-    hit = [t.id for t in claim.primaries if set(SPECIFIED_AFTER.get(t.id, ())) & set(seeds)]
-    return "after (" + ", ".join(hit) + ")" if hit else "before"
+def specified_text(test: Test, seeds: range) -> str:
+    """"specified after" when the test was fixed after data on some of these seeds had been seen."""
+    return f"specified {specified(test.id, seeds)}"
 
 
 def scorecard(exploratory: Path, confirms: list[Path], horizon: Path | None) -> list[str]:
@@ -178,7 +175,7 @@ def scorecard(exploratory: Path, confirms: list[Path], horizon: Path | None) -> 
                         f"**{record}**" + (f" ({label}: ×2 gives {h['verdict']})" if label else ""))
             else:
                 head = ("", "", "")
-            lines.append(f"| {head[0]} | {head[1]} | {test.id} | {e_text}; {specified(claim, explo_seeds)} | "
+            lines.append(f"| {head[0]} | {head[1]} | {test.id} | {e_text}; {specified_text(test, explo_seeds)} | "
                          f"{c_text} | {h_text} | {head[2]} |")
     return lines
 

@@ -1,0 +1,66 @@
+"""The confirmatory study: fresh seeds, primaries-only runs, the horizon check and the scorecard of record."""
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+
+from training.errors import UserError
+from training.study.claims import BY_NUMBER, SPECIFIED_AFTER, select, specified, used_roles
+from training.study.confirmation import HORIZON_DEPENDENT, horizon_label, read_run
+from training.study.grid import SCALES
+from training.study.runner import claim_jobs, roles_of
+
+
+def test_a_confirmatory_run_takes_seeds_disjoint_from_those_its_tests_were_specified_on():
+    scale = replace(SCALES["default"], seeds=6, seed_start=1000)
+    seeds = {seed for _, seed in claim_jobs(select([4, 5, 15], primaries_only=True), scale)}
+    assert min(seeds) == 1000 and max(seeds) == 1009  # 6 trained, 10 at init
+    for test_id, seen in SPECIFIED_AFTER.items():
+        assert not seeds & set(seen)
+        assert specified(test_id, range(1000, 1010)) == "before"
+        assert specified(test_id, range(0, 6)) == "after"
+    plain = {seed for _, seed in claim_jobs(select([4]), SCALES["default"])}
+    assert plain == set(range(6))
+
+
+def test_primaries_only_runs_the_roles_its_primaries_read():
+    scale = SCALES["default"]
+    roles = roles_of(select([4, 7, 16], primaries_only=True), scale)
+    # 4f: the interaction at the lowest LR reads its two roles and their pre-LN twins (the swap)
+    assert sorted(roles[4]) == ["post-w0@0", "post-w1@0", "pre-w0@0", "pre-w1@0"]
+    assert sorted(roles[7]) == ["layernorm", "rmsnorm"]
+    assert len(roles[16]) == 2 * len(scale.high_post_lrs)  # a family name reads its whole LR grid
+    assert len(roles_of(select([4]), scale)[4]) > 4  # the full claim keeps every run
+    claim = select([4], primaries_only=True)[0]
+    broken = replace(claim, tests=(replace(claim.tests[0], a="post-w9@0"),))
+    with pytest.raises(ValueError, match="post-w9@0"):
+        used_roles(broken, BY_NUMBER[4].setup(scale))
+    assert all(t.tier == "primary" for c in select(None, primaries_only=True) for t in c.tests)
+
+
+def test_a_longer_horizon_scales_every_trained_run_and_keeps_the_warm_up_fraction():
+    scale = SCALES["default"]
+    two = scale.longer(2)
+    assert (two.steps, two.deep_steps, two.long_steps) == (400, 300, 2000)
+    jobs = {spec for spec, _ in claim_jobs(select([4], primaries_only=True), replace(two, seed_start=1000))}
+    assert {j.steps for j in jobs} == {400} and {j.warmup for j in jobs} == {0.0, scale.warmup}
+
+
+def test_a_verdict_that_flips_with_the_horizon_is_labelled():
+    assert horizon_label("PASS", "FAIL") == HORIZON_DEPENDENT
+    assert horizon_label("INCONCLUSIVE", "PASS") == HORIZON_DEPENDENT
+    assert horizon_label("PASS", "PASS") == ""
+    assert horizon_label("PASS", None) == ""
+
+
+def test_read_run_refuses_a_directory_without_results(tmp_path):
+    with pytest.raises(UserError, match="results.json"):
+        read_run(tmp_path)
+    (tmp_path / "results.json").write_text(json.dumps({"header": {"seed_start": 1000, "horizon": 2}, "claims": [
+        {"number": 4, "verdict": "PASS", "tests": [
+            {"id": "4f", "tier": "primary", "verdict": "PASS", "a": {"n": 6}, "b": {"n": 6}, "threshold": 0.0,
+             "diff": {"mean": 0.1, "lo": 0.05, "hi": 0.15}}]}]}))
+    run = read_run(tmp_path)[4]
+    assert run["seeds"] == range(1000, 1006) and run["horizon"] == 2 and run["verdict"] == "PASS"

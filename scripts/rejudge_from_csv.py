@@ -28,6 +28,7 @@ from pathlib import Path
 from training.study.claims import CLAIMS, MECHANISM, PRIMARY, SECONDARY, Claim, Test
 from training.study.grid import SCALES, Train
 from training.study.judge import Outcome, bh_scorecard, combine, from_samples, judge_tests, measure
+from training.study.measure import UNIGRAM_ENTROPY
 from training.study.statistics import Context
 
 RUN_STATS = ("final_loss", "best_lr_loss", "lr_sensitivity", "loss_gap", "diverged_runs")
@@ -43,7 +44,10 @@ def runs_results(path: Path) -> dict[str, list[dict]]:
     for row in csv.DictReader(path.open()):
         out.setdefault(row["configuration"], {})[int(row["seed"])] = {
             "val_loss": _float(row["held_out_loss"]), "losses": [_float(row["initial_loss"])],
-            "diverged_at": 0 if row["outcome"] == "diverged" else None, "probes": {}}
+            "diverged_at": 0 if row["outcome"] == "diverged" else None, "probes": {},
+            # runs.csv holds no unigram entropy: no run reads as on the plateau here. RUN_STATS read only
+            # whether a run diverged, which the entropy plays no part in.
+            UNIGRAM_ENTROPY: math.inf}
     return {label: [runs[s] for s in sorted(runs)] for label, runs in out.items()}
 
 

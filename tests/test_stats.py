@@ -272,7 +272,7 @@ def test_benjamini_hochberg_equals_scipy():
 
 @pytest.mark.parametrize("losses, diverged, expected", [
     ([5.5, 5.0, 4.5, 4.2, 4.0, 3.9, 3.8, 3.8, 3.7, 3.7], False, "trains"),
-    ([5.5, 5.49, 5.5, 5.48, 5.47, 5.5, 5.46, 5.47, 5.48, 5.46], False, "stalled"),  # < 0.1 nats of progress
+    ([5.5, 5.49, 5.5, 5.48, 5.47, 5.5, 5.46, 5.47, 5.48, 5.46], False, "plateau"),  # within 0.05 of H = 5.5
     ([5.5, 5.0, 4.5, 4.2, 4.0, 3.9, 3.8, 4.9, 5.9, 6.3], False, "diverged"),  # ended above where it started
     ([5.5, 5.0, math.nan], False, "diverged"),
     ([5.5, 5.0, 4.5], True, "diverged"),  # stopped on a non-finite loss that was never logged
@@ -280,9 +280,9 @@ def test_benjamini_hochberg_equals_scipy():
 def test_training_outcome_is_the_studys(losses, diverged, expected):
     from training.study.measure import outcome
 
-    assert training_outcome(losses, diverged) == expected
+    assert training_outcome(losses, diverged, entropy=5.5) == expected
     if all(math.isfinite(x) for x in losses):
-        assert outcome({"losses": losses, "diverged_at": 3 if diverged else None}) == expected
+        assert outcome({"losses": losses, "diverged_at": 3 if diverged else None, "unigram_entropy": 5.5}) == expected
 
 
 def test_initial_loss_cap_and_best_index():
@@ -317,6 +317,6 @@ def test_best_lr_bootstrap_redoes_the_choice_in_every_resample():
 
 def test_a_held_out_loss_above_the_initial_one_is_a_divergence():
     losses = [7.6, 6.0, 5.5, 5.2, 5.0, 4.9, 4.8, 4.8, 4.7, 4.7]
-    assert training_outcome(losses, final_loss=4.8) == "trains"
-    assert training_outcome(losses, final_loss=9.7e6) == "diverged"
-    assert training_outcome(losses, final_loss=math.inf) == "diverged"
+    assert training_outcome(losses, final_loss=4.8, entropy=6.3) == "trains"
+    assert training_outcome(losses, final_loss=9.7e6, entropy=6.3) == "diverged"
+    assert training_outcome(losses, final_loss=math.inf, entropy=6.3) == "diverged"

@@ -8,6 +8,7 @@ import os
 import re
 import statistics
 
+import numpy as np
 import pytest
 import scipy.stats as scipy_stats
 import torch
@@ -17,6 +18,7 @@ from model import ModelConfig, Transformer
 from training.cli import main as normlab
 from training.study import main
 from training.study.claims import CLAIMS
+from training.study.cli import load_measurements
 from training.study.grid import SCALES, shallow
 from training.study.measure import (
     INPUT_SCALES,
@@ -137,20 +139,22 @@ def test_claim_21_times_like_for_like_pairs_of_the_same_math():
 
 @pytest.mark.parametrize("losses, diverged_at, expected", [
     ([7.0] * 5 + [6.0, 5.0, 4.0, 3.0, 2.0], None, "trains"),
-    ([7.0, 6.3] + [6.3] * 8, None, "stalled"),  # flat from step 1: no progress after the first 20%
-    ([7.0, 6.3] + [6.27] * 8, None, "stalled"),  # 0.03 nats of progress: under the 0.1 bar
-    ([7.0, 6.3] + [6.15] * 8, None, "trains"),  # 0.15 nats
+    ([7.0, 6.3] + [6.3] * 8, None, "plateau"),  # ends at the unigram entropy (6.3 here)
+    ([7.0, 6.3] + [6.27] * 8, None, "plateau"),  # 0.03 nats below it: within PLATEAU_NATS
+    ([7.0, 6.3] + [6.15] * 8, None, "trains"),  # 0.15 nats below it
+    ([7.0, 6.1, 6.2, 6.3, 6.2, 6.15] + [6.1] * 4, None, "trains"),  # no progress after its warm-up dip, yet 0.2 below
     ([7.0, 6.0, 7.5, 8.0, 9.0, 9.0, 9.0, 9.0, 9.0, 9.5], None, "diverged"),  # ends above the first loss
     ([7.0, 6.0], 2, "diverged"),  # non-finite
 ])
 def test_outcome(losses, diverged_at, expected):
-    assert outcome({"losses": losses, "diverged_at": diverged_at}) == expected
+    assert outcome({"losses": losses, "diverged_at": diverged_at, "unigram_entropy": 6.3}) == expected
 
 
 def test_a_finite_runaway_held_out_loss_is_a_divergence():
     """A run that trained but whose held-out loss ends above its first training loss diverged: its loss is an
     outcome (inf), not a number to average."""
-    run = {"losses": [7.0] * 5 + [6.0, 5.0, 4.0, 3.0, 2.0], "diverged_at": None, "val_loss": 9.7e6}
+    run = {"losses": [7.0] * 5 + [6.0, 5.0, 4.0, 3.0, 2.0], "diverged_at": None, "val_loss": 9.7e6,
+           "unigram_entropy": 6.3}
     assert outcome(run) == "diverged" and final_loss(run) == math.inf
     assert final_loss(run | {"val_loss": 2.5}) == 2.5
 
@@ -180,8 +184,8 @@ def test_rejudge_never_runs_code_from_a_measurements_file(capsys, tmp_path):
 
 
 def _table_rows(report: str) -> dict[str, str]:
-    return dict(re.findall(r"^\| (\d+)\. .*? \| \*\*(PASS|FAIL|INCONCLUSIVE|EQUIVALENT)\*\*(?: [†‡])* \|", report,
-                           flags=re.M))
+    verdicts = "PASS|FAIL|INCONCLUSIVE|EQUIVALENT|AT PLATEAU"
+    return dict(re.findall(rf"^\| (\d+)\. .*? \| \*\*({verdicts})\*\*(?: [†‡])* \|", report, flags=re.M))
 
 
 @pytest.mark.slow
@@ -210,6 +214,12 @@ def test_quick_subset_in_process(tmp_path_factory):
     assert (test_12a["diff"]["lo"], test_12a["diff"]["hi"]) == pytest.approx(tuple(ref.confidence_interval()), rel=1e-6)
     rows = [r for r in csv.DictReader((out / "measurements.csv").open()) if r["test"] == "12a"]
     assert [float(r["value_a"]) for r in rows] == pytest.approx(a) and [float(r["value_b"]) for r in rows] == b
+    # the plateau every trained run was judged against: the train split's unigram entropy (float64), on record
+    meta = json.loads((data / "meta.json").read_text())
+    counts = np.bincount(np.fromfile(data / meta["splits"]["train"]["file"], dtype=meta["dtype"]))
+    p = counts[counts > 0] / counts.sum()
+    doc = load_measurements(out / "measurements.pt")
+    assert doc["extra"]["unigram_entropy"] == pytest.approx(float(-(p * np.log(p)).sum()), rel=1e-9)
     before = report
     (out / "report.md").unlink()
     assert main(["--rejudge", "--output", str(out)]) == 0

@@ -47,7 +47,7 @@ from training.callbacks.downstream import DownstreamEval
 from training.callbacks.order import arrange
 from training.callbacks.progress import step_counting
 from training.callbacks.qk_clip import QKClip
-from training.callbacks.summary import log_closing_lines, log_world_line, with_norm_summary
+from training.callbacks.summary import log_closing_lines, log_data_entropy, log_world_line, with_norm_summary
 from training.checkpointing import branch, init_from, resume
 from training.checkpointing.plan import RunPlan, plan
 from training.checkpointing.safe import SafeCheckpointIO, safe_torch_load
@@ -355,6 +355,8 @@ class NormlabCLI(LightningCLI):
         if is_first_rank():
             log_world_line(self.trainer, self.datamodule)  # several processes: the global batch they make
         start_wandb(self.trainer.loggers)  # last: every check above passed
+        if is_first_rank():
+            log_data_entropy(self.trainer, self.datamodule)  # the run's plateau, for a sweep's outcome labels
         self.startup.release()  # the start-up report (seed, accelerators) is the run's now
 
     def after_fit(self) -> None:

@@ -16,6 +16,9 @@ just those, e.g. `also: residual_scale deepnorm · branch_scale scalar (init 0) 
 
 On several processes `world_line` says the world size and the global batch (tokens per step) in one line.
 
+`log_data_entropy` records the unigram entropy of the training tokens (`data/unigram_entropy`, logged once at
+step 0): the plateau a sweep's report judges the run's final loss against (`training.stats.on_plateau`).
+
 `closing_lines` is the run's last word: where everything went and the commands that come next.
 """
 from __future__ import annotations
@@ -30,6 +33,7 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import Callback, ModelSummary, RichModelSummary
 from lightning.pytorch.utilities.model_summary.model_summary import get_human_readable_count
 
+from data.entropy import ENTROPY_TAG, unigram_entropy
 from model import ModelConfig
 from training.run import layout
 
@@ -124,6 +128,21 @@ def with_norm_summary(callbacks: list[Callback], configured: list[Callback]) -> 
     if any(isinstance(c, ModelSummary) for c in configured):
         return list(callbacks)
     return [NormSummary() if type(c) in (ModelSummary, RichModelSummary) else c for c in callbacks]
+
+
+def log_data_entropy(trainer: Trainer, datamodule: Any) -> float | None:
+    """Log the unigram entropy of the datamodule's training tokens (`ENTROPY_TAG`, at step 0) to the run's
+    loggers and return it, so the run's own record says where its plateau lies. None (nothing logged) for a
+    datamodule without prepared directories yet (the default corpus before its first build, or one of another
+    kind): a report then counts it from the run's `data.path`."""
+    sources = getattr(datamodule, "sources", None)
+    try:
+        entropy = unigram_entropy([(path, weight) for _, path, weight in sources or ()])
+    except (OSError, ValueError):
+        return None
+    for logger in trainer.loggers:
+        logger.log_metrics({ENTROPY_TAG: entropy}, step=0)
+    return entropy
 
 
 def closing_lines(run_dir: str | Path, config_file: str | Path, step: int, max_steps: int) -> list[str]:

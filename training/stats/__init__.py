@@ -27,9 +27,10 @@ the level the family's smallest p must beat (α/k).
 A run that diverged is an outcome, not a number: it counts as worse than any run that trained. A comparison
 with seeds where only one arm diverged is decided by the exact sign-flip test of the signed ranks of every
 seed's difference (diverged = worst), so agreeing evidence from both kinds of seed adds up; the t-interval over
-the seeds where both trained is shown beside it. A run's outcome (trains / stalled / diverged) is
-`training_outcome` of its losses. The learning-rate statistics (`initial_loss_cap`, `lr_sensitivity`,
-`best_index`, `crossfit_best`, `best_lr_bootstrap`) are defined here once for the study and the sweeps.
+the seeds where both trained is shown beside it. A run's outcome (trains / plateau / diverged) is
+`training_outcome` of its losses and the unigram entropy of its training data (`on_plateau`). The learning-rate
+statistics (`initial_loss_cap`, `lr_sensitivity`, `best_index`, `crossfit_best`, `best_lr_bootstrap`) are defined
+here once for the study and the sweeps.
 
 Run-level outcomes beside the final metric (outcomes.py: a metric's reduction over its logged values, loss
 spikes by the guard's z-score rule, a series' peak, the exact test of paired counts) and the learning-rate reach
@@ -60,13 +61,14 @@ from training.stats.estimates import (
 )
 from training.stats.lr import (
     MODES,
-    STALL_NATS,
+    PLATEAU_NATS,
     best_index,
     best_lr_bootstrap,
     capped_loss,
     crossfit_best,
     initial_loss_cap,
     lr_sensitivity,
+    on_plateau,
     training_outcome,
 )
 from training.stats.outcomes import (
@@ -81,6 +83,7 @@ from training.stats.outcomes import (
 from training.stats.power import min_detectable, power_at, seeds_needed
 from training.stats.reach import Reach, ReachComparison, compare_reach, judge_reach, lr_reach, reach_interval
 from training.stats.verdicts import (
+    AT_PLATEAU,
     BETTER,
     COMPARISONS,
     EQUIVALENT,
@@ -106,12 +109,12 @@ from training.stats.verdicts import (
     with_divergences,
 )
 
-__all__ = ["ALPHA", "BETTER", "COMPARISONS", "EQUIVALENT", "EXACT_FLIPS", "FAIL", "INCONCLUSIVE", "MODES", "PASS",
-           "P_KEYS", "REDUCTIONS", "SAMPLED_FLIPS", "STALL_NATS", "WORSE", "Estimate", "Judgement", "Reach",
+__all__ = ["ALPHA", "AT_PLATEAU", "BETTER", "COMPARISONS", "EQUIVALENT", "EXACT_FLIPS", "FAIL", "INCONCLUSIVE", "MODES",
+           "PASS", "P_KEYS", "REDUCTIONS", "PLATEAU_NATS", "SAMPLED_FLIPS", "WORSE", "Estimate", "Judgement", "Reach",
            "ReachComparison", "Reduction", "benjamini_hochberg", "best_index", "best_lr_bootstrap", "capped_loss",
            "compare_reach", "comparison_verdict", "count_spikes", "crossfit_best", "difference", "estimate",
            "exact_can_reject", "holm", "initial_loss_cap", "judge", "judge_counts", "judge_family", "judge_reach",
-           "loss_z", "lr_reach", "lr_sensitivity", "mean_and_sd", "min_detectable", "no_estimate", "p_values",
-           "paired_difference", "perm_equivalent", "power_at", "reach_interval", "seeds_for_exact", "seeds_needed",
-           "series_peak", "sign_flip_p", "signed_rank_sum", "slope", "t_quantile", "training_outcome",
+           "loss_z", "lr_reach", "lr_sensitivity", "mean_and_sd", "min_detectable", "no_estimate", "on_plateau",
+           "p_values", "paired_difference", "perm_equivalent", "power_at", "reach_interval", "seeds_for_exact",
+           "seeds_needed", "series_peak", "sign_flip_p", "signed_rank_sum", "slope", "t_quantile", "training_outcome",
            "with_divergences"]

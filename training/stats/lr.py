@@ -1,6 +1,6 @@
-"""A run's outcome (trains / stalled / diverged: `training_outcome`), and the learning-rate statistics the study
-and the sweeps share: a diverged run's capped loss, Wortsman et al. 2023's LR sensitivity, the best LR of a grid
-(`MODES`: which way is better), cross-fitted and bootstrapped."""
+"""A run's outcome (trains / plateau / diverged: `training_outcome`, with the plateau rule `on_plateau`), and the
+learning-rate statistics the study and the sweeps share: a diverged run's capped loss, Wortsman et al. 2023's LR
+sensitivity, the best LR of a grid (`MODES`: which way is better), cross-fitted and bootstrapped."""
 from __future__ import annotations
 
 import math
@@ -10,16 +10,28 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 MODES = ("min", "max")  # which way a metric is better: lower (a loss) or higher (an accuracy)
-STALL_NATS = 0.1  # progress over the last 80% of steps below which a run "stalled"
+# A final loss within this many nats of the unigram entropy is "on the plateau": the study's loss margin (the
+# smallest held-out-loss difference its claims count), so a run the rule calls "trains" has beaten the
+# frequency-only model by at least an effect the study would notice.
+PLATEAU_NATS = 0.05
 
 
-def training_outcome(losses: Sequence[float], diverged: bool = False, final_loss: float | None = None) -> str:
+def on_plateau(final_loss: float, entropy: float) -> bool:
+    """Whether a final loss (nats) is at the unigram plateau: ≥ `entropy` − PLATEAU_NATS, where `entropy` is the
+    unigram entropy of the training tokens (`data.entropy.unigram_entropy`) — the loss of a model that learned
+    the token frequencies and nothing of their context. A run's warm-up or early losses play no part."""
+    return final_loss >= entropy - PLATEAU_NATS
+
+
+def training_outcome(losses: Sequence[float], diverged: bool = False, final_loss: float | None = None, *,
+                     entropy: float) -> str:
     """A run's outcome from its training losses in step order, the first one at initialization (the study's
     and the sweeps' one definition):
     "diverged" — `diverged` (the loss became non-finite and training stopped), a non-finite loss, a mean over
     the last 10% of the losses above the first one, or a held-out `final_loss` (when the metric is a loss)
-    above the first one — no better than not training; "stalled" — less than STALL_NATS of progress from the
-    best of the first 20% to that tail mean; else "trains"."""
+    above the first one — no better than not training; "plateau" — the final loss (the held-out `final_loss`
+    when given, else that tail mean) is on the unigram plateau of the training data (`on_plateau` against
+    `entropy`); else "trains". `entropy` is required: an outcome without it would have to guess the plateau."""
     if diverged or not losses:
         return "diverged"
     tail = losses[-max(1, len(losses) // 10):]
@@ -28,8 +40,9 @@ def training_outcome(losses: Sequence[float], diverged: bool = False, final_loss
         return "diverged"
     if final_loss is not None and final_loss > losses[0]:
         return "diverged"
-    early = min(losses[: max(1, len(losses) // 5)])
-    return "stalled" if early - end < STALL_NATS else "trains"
+    if entropy is None or math.isnan(entropy):
+        raise ValueError(f"training_outcome needs the unigram entropy of the training data, got {entropy!r}")
+    return "plateau" if on_plateau(end if final_loss is None else final_loss, entropy) else "trains"
 
 
 def initial_loss_cap(initial_losses: Sequence[float]) -> float:

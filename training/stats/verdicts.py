@@ -16,6 +16,8 @@ from training.stats.power import min_detectable, power_at
 BETTER, WORSE, EQUIVALENT, INCONCLUSIVE = "BETTER", "WORSE", "EQUIVALENT", "INCONCLUSIVE"
 COMPARISONS = (BETTER, WORSE, EQUIVALENT, INCONCLUSIVE)
 PASS, FAIL = "PASS", "FAIL"  # a study claim's verdict names (training/study/judge.py); INCONCLUSIVE as above
+# a study test whose arm never leaves the unigram plateau: its statistic measures the plateau, not the claim
+AT_PLATEAU = "AT PLATEAU"
 P_KEYS = ("difference", "equivalence", "difference_perm", "equivalence_perm")  # a comparison's p-values
 EXACT_FLIPS = 20  # up to this many seeds every sign pattern is enumerated; beyond, a fixed sample of them
 SAMPLED_FLIPS = 1 << 16

@@ -20,7 +20,8 @@ from training.study.judge import judge_all
 from training.study.plots import plot
 from training.study.provenance import provenance
 from training.study.report import write_csvs, write_report, write_results
-from training.study.runner import claim_jobs, load_data, main_process_measurements, roles_of, run_jobs
+from training.study.measure import UNIGRAM_ENTROPY
+from training.study.runner import claim_jobs, data_entropy, load_data, main_process_measurements, roles_of, run_jobs
 from training.study.statistics import Context
 
 log = logging.getLogger(__name__)
@@ -118,11 +119,29 @@ def load_measurements(path: Path) -> dict:
     return doc
 
 
-def rejudge(output: Path) -> list[tuple[Claim, str]]:
+def _record_entropy(doc: dict, data_dir: Path | None) -> None:
+    """Measurements written before the plateau rule carry no unigram entropy: count it from the study's data
+    (the same prepared corpus, `--data` or the default directory) and give it to every trained run."""
+    if UNIGRAM_ENTROPY in doc["extra"]:
+        return
+    data_dir = data_dir or Path("data_cache") / f"study-v{doc['scale'].vocab_size}"
+    if not data_dir.is_dir():
+        raise UserError(f"--rejudge: these measurements do not record the unigram entropy of their training data "
+                        f"and {data_dir} does not exist: give the study's data with --data DIR")
+    entropy = data_entropy(load_data(data_dir, doc["scale"]))
+    doc["extra"][UNIGRAM_ENTROPY] = entropy
+    for spec, runs in doc["results"].items():
+        if isinstance(spec, Train):
+            for r in runs:
+                r[UNIGRAM_ENTROPY] = entropy
+
+
+def rejudge(output: Path, data_dir: Path | None = None) -> list[tuple[Claim, str]]:
     """Judge a finished run's measurements again with the committed claims and rewrite its report."""
     doc = load_measurements(output / MEASUREMENTS)
     print(f"normlab study: writing {output}/report.md", flush=True)
     header = doc["header"]
+    _record_entropy(doc, data_dir)
     return write_all(output, doc["scale"], select(header["claims"], header.get("primaries_only", False)),
                      doc["results"], doc["extra"], header)
 
@@ -163,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     claims = parse_claims(args.claims)
     output = args.output or Path("runs") / ("study-quick" if args.quick else "study")
     if args.rejudge:
-        verdicts = rejudge(output)
+        verdicts = rejudge(output, args.data)
     else:
         verdicts = run_study(output, quick=args.quick, claims=claims, jobs=args.jobs, data_dir=args.data,
                              seeds=args.seeds, seed_start=args.seed_start, horizon=args.horizon,

@@ -24,7 +24,9 @@ from pathlib import Path
 from training.errors import UserError
 from training.study.claims import CLAIMS, Test, specified
 from training.study.grid import SCALES, Train
-from training.study.judge import Outcome, bh_scorecard, combine, from_samples, judge_tests, measure
+from training.stats import AT_PLATEAU
+from training.study.judge import Outcome, bh_scorecard, combine, from_samples, judge_tests, measure, plateau_arms
+from training.study.measure import UNIGRAM_ENTROPY
 from training.study.statistics import Context
 
 RUN_STATS = ("final_loss", "best_lr_loss", "lr_sensitivity", "loss_gap", "diverged_runs", "lr_reach",
@@ -36,13 +38,16 @@ def _float(text: str) -> float:
     return float(text) if text else math.nan
 
 
-def runs_results(path: Path) -> dict[str, list[dict]]:
-    """Per configuration label of a study's runs.csv, its runs in seed order as the study's statistics read them."""
+def runs_results(path: Path, entropy: float = math.inf) -> dict[str, list[dict]]:
+    """Per configuration label of a study's runs.csv, its runs in seed order as the study's statistics read them.
+    runs.csv holds no unigram entropy: give the study corpus's (`data.entropy.unigram_entropy`) for the plateau
+    rule, or leave it +inf (no run reads as on the plateau; the run statistics read only whether a run
+    diverged, which the entropy plays no part in)."""
     out: dict[str, dict[int, dict]] = {}
     for row in csv.DictReader(path.open()):
         out.setdefault(row["configuration"], {})[int(row["seed"])] = {
             "val_loss": _float(row["held_out_loss"]), "losses": [_float(row["initial_loss"])],
-            "diverged_at": 0 if row["outcome"] == "diverged" else None, "probes": {}}
+            "diverged_at": 0 if row["outcome"] == "diverged" else None, "probes": {}, UNIGRAM_ENTROPY: entropy}
     return {label: [runs[s] for s in sorted(runs)] for label, runs in out.items()}
 
 
@@ -74,10 +79,11 @@ def csv_outcome(test: Test, ctx: Context, csv_values: dict) -> Outcome | None:
     return None
 
 
-def judge_csv(study: Path) -> dict[int, tuple[str, list[tuple[Test, Outcome | None]]]]:
-    """Per claim, the verdict of its current primaries on a committed study's CSVs ("awaits the next run" when a
-    primary reads runs the study did not make), and each primary's outcome."""
-    runs, csv_values = runs_results(study / "runs.csv"), measurements(study / "measurements.csv")
+def judge_csv(study: Path, entropy: float = math.inf) -> dict[int, tuple[str, list[tuple[Test, Outcome | None]]]]:
+    """Per claim, the verdict of its current primaries on a committed study's CSVs (AWAITS when a primary reads
+    runs the study did not make; AT PLATEAU as `judge_all` gives it, with the corpus's unigram `entropy`), and
+    each primary's outcome."""
+    runs, csv_values = runs_results(study / "runs.csv", entropy), measurements(study / "measurements.csv")
     scale = SCALES["default"]
     out, judged = {}, []
     for claim in CLAIMS:
@@ -89,7 +95,12 @@ def judge_csv(study: Path) -> dict[int, tuple[str, list[tuple[Test, Outcome | No
         ready = [o for o in outs if o is not None]
         judge_tests(ready)
         judged += [o for o in ready if o.judgement is not None]
-        verdict = AWAITS if any(o is None for o in outs) else combine([o.verdict for o in outs])
+        for o in ready:
+            if plateau_arms(ctx, o.test):
+                o.verdict = o.verdict_perm = AT_PLATEAU
+        verdicts = [o.verdict for o in ready]
+        verdict = AWAITS if any(o is None for o in outs) else \
+            AT_PLATEAU if AT_PLATEAU in verdicts else combine(verdicts)
         out[claim.number] = (verdict, list(zip(claim.primaries, outs, strict=True)))
     bh_scorecard(judged)
     return out
@@ -143,14 +154,16 @@ def specified_text(test: Test, seeds: range) -> str:
     return f"specified {specified(test.id, seeds)}"
 
 
-def scorecard(exploratory: Path, confirms: list[Path], horizon: Path | None) -> list[str]:
+def scorecard(exploratory: Path, confirms: list[Path], horizon: list[Path], entropy: float = math.inf) -> list[str]:
     """The scorecard of record as Markdown lines: per claim, exploratory and confirmatory verdicts side by side,
     the horizon check, and the claim's verdict (the confirmatory one where it exists)."""
-    explo = judge_csv(exploratory)
+    explo = judge_csv(exploratory, entropy)
     conf: dict[int, dict] = {}
     for path in confirms:
         conf |= read_run(path)
-    hor = read_run(horizon) if horizon else {}
+    hor: dict[int, dict] = {}
+    for path in horizon:
+        hor |= read_run(path)
     lines = ["| claim | evidence of | primary | exploratory (seeds 0–5; init 0–9): verdict, estimate; specified | "
              "confirmatory: verdict, estimate; seeds | horizon ×2 (same seeds) | **verdict of record** |",
              "|---|---|---|---|---|---|---|"]

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, replace
 
 from training.stats import (
     ALPHA,
+    AT_PLATEAU,
     BETTER,
     EQUIVALENT,
     FAIL,
@@ -35,7 +36,8 @@ from training.stats import (
 )
 from training.study.claims import PRIMARY, REPORT, Claim, Test
 from training.study.grid import Job, Train
-from training.study.statistics import STATISTICS, Context, capped_grid
+from training.study.measure import outcome
+from training.study.statistics import STATISTICS, Context, best_lr_index, capped_grid
 
 
 @dataclass
@@ -151,6 +153,7 @@ def from_samples(test: Test, a: list[float], b: list[float] | None) -> Outcome:
     return out
 
 
+PLATEAU_SHARE = 0.8  # an arm is on the plateau when at least this share of its seeds is (5 of 6: 0.83)
 NAMED = {"greater": {WORSE: PASS, BETTER: FAIL}, "less": {BETTER: PASS, WORSE: FAIL},
          "nonzero": {BETTER: PASS, WORSE: PASS}, "equivalent": {EQUIVALENT: PASS, BETTER: FAIL, WORSE: FAIL}}
 
@@ -203,7 +206,9 @@ def judge_all(claims: Sequence[Claim], contexts: Sequence[Context]) -> list[tupl
     """Every claim's verdict and its outcomes. Each claim is its own family: Holm across its primaries only, so
     its verdict does not depend on which other claims ran; every secondary test is judged alone. Across the
     claims, each primary also gets Benjamini–Hochberg q-values (`q`) and the verdict they give (`verdict_bh`):
-    the scorecard's false-discovery view. Report rows get no verdict."""
+    the scorecard's false-discovery view. Report rows get no verdict. Last, a judged test with an arm on the
+    unigram plateau (`plateau_arms`) reads AT PLATEAU instead — its statistic measures the plateau, not the
+    claim — and so does a claim with such a primary."""
     measured = [[measure(ctx, t) for t in claim.tests] for claim, ctx in zip(claims, contexts, strict=True)]
     for outs in measured:
         judge_tests([o for o in outs if o.test.tier == PRIMARY])
@@ -212,13 +217,37 @@ def judge_all(claims: Sequence[Claim], contexts: Sequence[Context]) -> list[tupl
                 judge_tests([o])
     bh_scorecard([o for outs in measured for o in outs if o.test.tier == PRIMARY and o.judgement is not None])
     judged = []
-    for outs in measured:
+    for outs, ctx in zip(measured, contexts, strict=True):
         first = [o for o in outs if o.test.tier == PRIMARY]
         for o in first:
             if o.test.kind == "exact":
                 o.verdict_bh = o.verdict
-        judged.append((combine([o.verdict for o in first]), outs))
+        for o in outs:
+            if o.test.tier != REPORT and plateau_arms(ctx, o.test):
+                o.verdict = o.verdict_perm = o.verdict_bh = AT_PLATEAU
+        verdicts = [o.verdict for o in first]
+        judged.append((AT_PLATEAU if AT_PLATEAU in verdicts else combine(verdicts), outs))
     return judged
+
+
+def plateau_arms(ctx: Context, test: Test) -> list[str]:
+    """The arms of `test` on the unigram plateau: those whose trained runs, at the LR the statistic reads, end
+    "plateau" (`measure.outcome`: the held-out loss within `training.stats.PLATEAU_NATS` of the training data's
+    unigram entropy) in at least PLATEAU_SHARE of the seeds. An arm is a role (`x@i`: one configuration) or a
+    family name (`x`: every LR of a sweep, read at the family's best LR — on the plateau there, it never leaves
+    it). At-init measurements are never on the plateau (nothing was trained)."""
+    arms = []
+    for arm in (test.a, test.b):
+        try:
+            role = ctx.resolve(arm) if arm in ctx.roles or arm.endswith("@-1") else \
+                ctx.family(arm)[best_lr_index(ctx, arm)]
+            runs = ctx.runs(role)
+        except (KeyError, IndexError, ValueError, AttributeError, TypeError):
+            continue  # no arm (a one-role test), or none of trained runs (a measurement of another kind)
+        if trained(ctx.spec(role)) and runs and \
+                sum(outcome(r) == "plateau" for r in runs) >= PLATEAU_SHARE * len(runs):
+            arms.append(arm)
+    return arms
 
 
 def bh_scorecard(primaries: Sequence[Outcome]) -> None:

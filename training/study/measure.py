@@ -23,11 +23,13 @@ from model.norms import Norm
 from model.probes import record
 from model.residual import Stream
 from training import health_tags as T
+from training.errors import UserError
 from training.optim import OptimConfig, build_optimizer, plain_update
 from training.stats import training_outcome
 from training.study.grid import AtInit, Scale, Train
 
 PROBE_TAGS = (T.RESIDUAL, f"{T.ATTN_MAX_LOGIT}/", f"{T.ATTN_SATURATED}/", T.OUTLIER)
+UNIGRAM_ENTROPY = "unigram_entropy"  # a trained run's result: the entropy its plateau is judged against
 INPUT_SCALES = (0.3, 3.0, 10.0)  # claim 18: the stream entering the middle block, multiplied by k
 
 
@@ -208,9 +210,9 @@ def train_run(spec: Train, seed: int, scale: Scale, batches: Iterator[torch.Tens
 
 
 def final_loss(result: dict) -> float:
-    """The trained model's held-out loss; +inf for a run that diverged (`outcome`) — a finite loss of 10⁶ is a
+    """The trained model's held-out loss; +inf for a run that diverged (`diverged`) — a finite loss of 10⁶ is a
     divergence, not a number to average."""
-    return math.inf if outcome(result) == "diverged" else result["val_loss"]
+    return math.inf if diverged(result) else result["val_loss"]
 
 
 def initial_loss(result: dict) -> float:
@@ -218,13 +220,28 @@ def initial_loss(result: dict) -> float:
     return result["losses"][0] if result["losses"] else math.inf
 
 
+def diverged(result: dict) -> bool:
+    """`outcome` is "diverged" — decided from the losses alone (the unigram entropy plays no part in it)."""
+    return training_outcome(result["losses"], result["diverged_at"] is not None, _held_out(result),
+                            entropy=math.inf) == "diverged"
+
+
+def _held_out(result: dict) -> float | None:
+    loss = result.get("val_loss")
+    return None if loss is None or math.isnan(loss) else loss
+
+
 def outcome(result: dict) -> str:
-    """trains / stalled / diverged from the training losses (`training.stats.training_outcome`, shared with the
-    sweeps' report); a run whose held-out loss ends above the untrained model's first loss also diverged."""
-    kind = training_outcome(result["losses"], result["diverged_at"] is not None)
-    if kind != "diverged" and result.get("val_loss", -math.inf) > initial_loss(result):
+    """trains / plateau / diverged (`training.stats.training_outcome`, shared with the sweeps' report): the
+    held-out loss against the unigram entropy of the study's training data, which every trained run's result
+    carries (`UNIGRAM_ENTROPY`, set by the runner); a run whose held-out loss ends above the untrained model's
+    first loss diverged."""
+    if diverged(result):
         return "diverged"
-    return kind
+    if UNIGRAM_ENTROPY not in result:
+        raise UserError("these study measurements do not record the unigram entropy of their training data (they "
+                        "were written before the plateau rule): run `normlab study` again to measure them")
+    return training_outcome(result["losses"], False, _held_out(result), entropy=result[UNIGRAM_ENTROPY])
 
 
 def at_init(spec: AtInit, seed: int, scale: Scale, tokens: torch.Tensor, vocab_size: int) -> dict:

@@ -18,9 +18,10 @@ from pathlib import Path
 import torch
 
 from data.datamodule import TokenDataModule
+from data.entropy import unigram_entropy
 from training.study.claims import Claim, used_roles
 from training.study.grid import AtInit, Job, Scale, shallow
-from training.study.measure import at_init, toy_no_norm, train_run
+from training.study.measure import UNIGRAM_ENTROPY, at_init, toy_no_norm, train_run
 from training.study.timing import norm_share, op_ratios, step_time_ratios
 
 log = logging.getLogger(__name__)
@@ -58,6 +59,12 @@ def load_data(data_dir: Path, scale: Scale) -> TokenDataModule:
     return data
 
 
+def data_entropy(data: TokenDataModule) -> float:
+    """The unigram entropy (nats) of the study's training tokens: the plateau every trained run is judged
+    against (`training.stats.on_plateau`); counted once per data directory (`data.entropy`)."""
+    return unigram_entropy([(path, weight) for _, path, weight in data.sources])
+
+
 def held_out(data: TokenDataModule) -> list[torch.Tensor]:
     """The held-out batches every trained run is scored on (the validation split; the same for every seed)."""
     loader = data.val_dataloader()
@@ -75,7 +82,7 @@ def _init_worker(data_dir: str, scale: Scale, threads: int) -> None:
     torch.set_num_threads(threads)
     logging.basicConfig(level=logging.WARNING)
     data = load_data(Path(data_dir), scale)
-    _WORKER.update(data=data, scale=scale, val=held_out(data), first=first_batch(data))
+    _WORKER.update(data=data, scale=scale, val=held_out(data), first=first_batch(data), entropy=data_entropy(data))
 
 
 def first_batch(data: TokenDataModule) -> torch.Tensor:
@@ -86,7 +93,9 @@ def _job(spec: Job, seed: int) -> tuple[Job, int, dict]:
     data, scale = _WORKER["data"], _WORKER["scale"]
     if isinstance(spec, AtInit):
         return spec, seed, at_init(spec, seed, scale, _WORKER["first"], data.vocab_size)
-    return spec, seed, train_run(spec, seed, scale, training_batches(data, seed), _WORKER["val"], data.vocab_size)
+    result = train_run(spec, seed, scale, training_batches(data, seed), _WORKER["val"], data.vocab_size)
+    result[UNIGRAM_ENTROPY] = _WORKER["entropy"]  # each run carries its plateau, so a rejudge needs no data
+    return spec, seed, result
 
 
 def run_jobs(jobs: list[tuple[Job, int]], data_dir: Path, scale: Scale, n_procs: int) -> dict[Job, list[dict]]:
@@ -116,10 +125,11 @@ def run_jobs(jobs: list[tuple[Job, int]], data_dir: Path, scale: Scale, n_procs:
 
 
 def main_process_measurements(claims: tuple[Claim, ...], scale: Scale, data: TokenDataModule) -> dict:
-    """Measurements that run alone, after the grid: the toy (claim 9) and the timing of claims 20 and 21 (one
-    thread, so the timing is not split across cores with anything of ours)."""
+    """Measurements that run alone, after the grid: the unigram entropy of the training data, the toy (claim 9)
+    and the timing of claims 20 and 21 (one thread, so the timing is not split across cores with anything of
+    ours)."""
     numbers = {c.number for c in claims}
-    extra: dict = {}
+    extra: dict = {UNIGRAM_ENTROPY: data_entropy(data)}  # the plateau of every trained run, on the record
     if 9 in numbers:
         extra["toy"] = toy_no_norm()
     if not numbers & {20, 21}:

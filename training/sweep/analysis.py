@@ -34,7 +34,7 @@ from training.stats import (
 )
 from training.sweep.results import RunResult
 
-OUTCOMES = ("trains", "stalled", "diverged")
+OUTCOMES = ("trains", "plateau", "diverged")
 
 
 @dataclass(frozen=True)
@@ -51,7 +51,7 @@ class Cell:
 
     @property
     def numbers(self) -> list[RunResult]:
-        """Runs with a final metric (trained or stalled), in seed order."""
+        """Runs with a final metric (trained, or on the plateau), in seed order."""
         return [r for r in self.included if r.has_number]
 
     def counts(self) -> dict[str, int]:
@@ -108,7 +108,7 @@ def compare_to_baseline(cells: Sequence[Cell], baseline: str, margin: float | No
     value = outcome_value(outcome)
 
     def has_number(r: RunResult) -> bool:
-        return r.outcome in ("trains", "stalled") and math.isfinite(value(r))
+        return r.outcome in ("trains", "plateau") and math.isfinite(value(r))
 
     base = next(c for c in cells if c.name == baseline).by_seed()
     names = [c.name for c in cells if c.name != baseline] if family is None else list(family)

@@ -8,9 +8,11 @@ give the same number for the same run:
   of the last K). A run whose outcome
   is "diverged" has no final metric (NaN): it is counted as an outcome, never averaged as a number.
 - outcome: `training.stats.training_outcome` of the run's logged `train/loss` values in step order (trains /
-  stalled / diverged, the study's definition): "diverged" also whenever the runner recorded the run as
+  plateau / diverged, the study's definition): "diverged" also whenever the runner recorded the run as
   diverged, the final metric is not finite, or a final loss (a metric whose tag ends in "loss") is above the
-  initial loss — no better than not training, as in the study.
+  initial loss — no better than not training, as in the study; "plateau" when the final loss (that metric,
+  else the tail of `train/loss`) is within `PLATEAU_NATS` of the unigram entropy of the run's training data
+  (`data/unigram_entropy`, which `normlab fit` logs; for a run that did not, counted from its `data.path`).
 - initial loss: the first logged `train/loss` and its step (`initial_step`). `normlab fit` logs the loss of
   update 1 — the loss at initialization — at step 1 whatever `trainer.log_every_n_steps` is; a run written
   before that logs it only after `log_every_n_steps` updates, and the report says so.
@@ -28,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from data.entropy import ENTROPY_TAG, unigram_entropy
 from training.errors import UserError
 from training.run.dir import Points, RunDir
 from training.stats import Reduction, training_outcome
@@ -71,7 +74,7 @@ class RunResult:
 
     @property
     def has_number(self) -> bool:
-        return self.outcome in ("trains", "stalled") and math.isfinite(self.final)
+        return self.outcome in ("trains", "plateau") and math.isfinite(self.final)
 
 
 def result(cell: str, params: dict[str, Any], seed: Any, run_dir: Path, status: str, metric: str,
@@ -93,7 +96,9 @@ def result(cell: str, params: dict[str, Any], seed: Any, run_dir: Path, status: 
     if not losses and status != "diverged":  # nothing to judge the outcome by (logged less often than it ran)
         return RunResult(cell, params, seed, run_dir, f"{status} without {TRAIN_LOSS}")
     stopped = status == "diverged" or (bool(points) and not math.isfinite(final))
-    outcome = training_outcome(losses, stopped, final if points and metric.endswith("loss") else None)
+    held_out = final if points and metric.endswith("loss") else None
+    outcome = training_outcome(losses, stopped, held_out,
+                               entropy=run_entropy(run, s) if losses and not stopped else math.nan)
     steps = max((p[-1][0] for tag, p in s.items() if tag.startswith("train/") and p), default=0)
     per_step = run.tokens_per_step()
     return RunResult(cell, params, seed, run_dir, status, outcome,
@@ -101,6 +106,22 @@ def result(cell: str, params: dict[str, Any], seed: Any, run_dir: Path, status: 
                      losses[0] if losses else math.nan, s[TRAIN_LOSS][0][0] if losses else None,
                      {tag: s[tag] for tag in (TRAIN_LOSS, metric) if tag in s}, per_step,
                      run_outcomes(s, outcomes or {}), logged_every(s.get(SPIKE_TAG, [])))
+
+
+def run_entropy(run: RunDir, scalars: dict[str, Points]) -> float:
+    """The unigram entropy (nats) of a run's training data: as its fit logged it (`ENTROPY_TAG`), else counted
+    from the `data.path` of its config (a run trained before fits logged it) — or one UserError naming the run
+    and how to make it readable."""
+    if scalars.get(ENTROPY_TAG):
+        return float(scalars[ENTROPY_TAG][-1][1])
+    path = (run.config.get("data") or {}).get("path")
+    sources = list(path.items()) if isinstance(path, dict) else [(path, 1.0)]
+    try:
+        return unigram_entropy(sources)
+    except (OSError, TypeError, ValueError, KeyError) as e:
+        raise UserError(f"run '{run.path}' does not record the unigram entropy of its training data ({ENTROPY_TAG}) "
+                        f"and its data.path {path!r} cannot be read ({type(e).__name__}: {e}); run the report from "
+                        "the directory its fit ran in, where data.path exists, to judge its plateau") from None
 
 
 def _trained_config(record: dict[str, Any]) -> tuple[tuple[str, ...], tuple[tuple[str, str], ...]]:

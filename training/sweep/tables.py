@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from training.stats import ALPHA, Reduction
+from training.stats import ALPHA, PLATEAU_NATS, Reduction
 from training.sweep.analysis import (
     Cell,
     Comparison,
@@ -37,13 +37,13 @@ def where(run: RunResult, root: Path | None) -> str:
 
 def cell_table(cells: Sequence[Cell], metric: str) -> list[str]:
     """Per cell: seeds, outcome counts, the final metric's mean ± sd and 95% t-interval, and each seed's value."""
-    rows = [f"| cell | runs | trains / stalled / diverged | final {metric}: mean ± sd | 95% CI | per seed |",
+    rows = [f"| cell | runs | trains / plateau / diverged | final {metric}: mean ± sd | 95% CI | per seed |",
             "|---|---|---|---|---|---|"]
     for cell in cells:
         e, counts = cell.estimate(), cell.counts()
         mean = "—" if e is None else f"{e.mean:.4f} ± {fmt(e.sd)} (n={e.n})"
         ci = "—" if e is None else f"[{e.lo:.4f}, {e.hi:.4f}]" if e.n > 1 else "— (one seed)"
-        rows.append(f"| {cell.name} | {len(cell.included)} | {counts['trains']} / {counts['stalled']} / "
+        rows.append(f"| {cell.name} | {len(cell.included)} | {counts['trains']} / {counts['plateau']} / "
                     f"{counts['diverged']} | {mean} | {ci} | {_seed_values(cell)} |")
     return rows
 
@@ -68,7 +68,7 @@ def group_table(judged: dict[str, list[Comparison]], baseline: str, question: st
 def lr_table(groups: Sequence[LrGroup], metric: str, mode: str) -> list[str]:
     """Per group of cells that differ only in the LR: its best LR, the final metric there, and its LR
     sensitivity — "norm X at its own best LR" in one line."""
-    rows = [f"| group | best LR | final {metric} at the best LR: mean ± sd (n), 95% CI | trains / stalled / "
+    rows = [f"| group | best LR | final {metric} at the best LR: mean ± sd (n), 95% CI | trains / plateau / "
             "diverged there | LR sensitivity: mean over seeds, 95% CI | score per LR |", "|---|---|---|---|---|---|"]
     for g in groups:
         best = g.best
@@ -103,10 +103,12 @@ def definitions(metric: str, mode: str, baseline: str | None, margin: float | No
     read = ("its value at the last step it was logged" if reduce.kind == "final" else
             f"the {reduce.describe(metric)}, over the values logged")
     text = (f"Final {metric}: {read} in the run's TensorBoard events ({better} is better). Outcome (trains / "
-            "stalled / diverged): diverged — the runner recorded a "
+            "plateau / diverged): diverged — the runner recorded a "
             "non-finite loss, a non-finite metric was logged, the mean of the last 10% of the logged "
-            "`train/loss` values ended above the first, or a final loss ended above it; stalled — less than 0.1 "
-            "nats of progress from the best of the first 20% of them; else trains. A diverged run has no final "
+            "`train/loss` values ended above the first, or a final loss ended above it; plateau — the final loss "
+            f"(else the mean of that tail) is within {PLATEAU_NATS:g} nats of the unigram entropy of the run's "
+            "training data or above it (a model that learned the token frequencies and no more); else trains. "
+            "A diverged run has no final "
             "value: it is an outcome, counted above and tested below as the worst value, never averaged. "
             "Intervals: Student's t at 95% over seeds.")
     if baseline is None:

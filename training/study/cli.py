@@ -17,10 +17,10 @@ from training.errors import UserError
 from training.study.claims import CLAIMS, Claim, select
 from training.study.grid import SCALES, Arch, AtInit, Scale, Train
 from training.study.judge import judge_all
+from training.study.measure import UNIGRAM_ENTROPY
 from training.study.plots import plot
 from training.study.provenance import provenance
 from training.study.report import write_csvs, write_report, write_results
-from training.study.measure import UNIGRAM_ENTROPY
 from training.study.runner import claim_jobs, data_entropy, load_data, main_process_measurements, roles_of, run_jobs
 from training.study.statistics import Context
 

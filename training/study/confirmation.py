@@ -22,9 +22,9 @@ import math
 from pathlib import Path
 
 from training.errors import UserError
+from training.stats import AT_PLATEAU
 from training.study.claims import CLAIMS, Test, specified
 from training.study.grid import SCALES, Train
-from training.stats import AT_PLATEAU
 from training.study.judge import Outcome, bh_scorecard, combine, from_samples, judge_tests, measure, plateau_arms
 from training.study.measure import UNIGRAM_ENTROPY
 from training.study.statistics import Context

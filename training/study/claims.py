@@ -393,8 +393,7 @@ CLAIMS: tuple[Claim, ...] = (
                 "post-w2@-1", margin=LOSS),
            R(Test("14e", "control: highest LR, no warm-up, held-out loss without − with gradient clipping",
                   "final_loss", "post-w0-noclip@-1", "post-w0@-1"))),
-          "", "Warm-up as a fraction of 200 steps: 20 and 60 steps. Outcome labels depend on the warm-up (a run ending "
-          "on the 6.3-nat plateau at 30% warm-up can read 'trains' where one at 10% reads 'stalled').",
+          "", "Warm-up as a fraction of 200 steps: 20 and 60 steps; Xiong et al. warm up for thousands.",
           evidence="limit"),
     Claim(15, "Pre-norm trains well without warm-up.",
           "seed 004: 'Pre-norm models train well even without the warm-up stage'", _post_vs_pre,

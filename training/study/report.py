@@ -133,7 +133,7 @@ def _reading_16(ctx: Context, o: dict[str, Outcome]) -> str:
             text += f" and {trains} of {len(above)} runs above it train, {end}"
         parts.append(text)
     return ("Measured: " + "; ".join(parts) + ". Hypothesis: 16e measures how far an arm falls from its own "
-            "optimum, which the stalled plateau bounds, so an arm whose optimum is already near the plateau "
+            "optimum, which the unigram plateau bounds, so an arm whose optimum is already near the plateau "
             "cannot fall far; the range of LRs that train (the runs table's outcomes) is the other reading of "
             "'sensitive', and no test of it was specified before the run.")
 
@@ -367,8 +367,11 @@ RULES = (
     "that diverged and those that trained adds up, and EQUIVALENT is impossible; the interval shown is over "
     "the seeds where both trained. Where a statistic needs every run (LR sensitivity, best LR), a diverged run "
     "counts as the seed's loss at initialization. Outcome per run: 'diverged' (non-finite, or ending, in "
-    "training or held out, above the first step's loss), 'stalled' (< 0.1 nats of progress over the last 80% "
-    "of steps), else 'trains'.",
+    "training or held out, above the first step's loss), 'plateau' (a held-out loss within 0.05 nats of the "
+    "unigram entropy of the training tokens, or above it: the model learned no more than token frequencies), "
+    "else 'trains'. A test with an arm on the plateau (≥ 80% of its seeds, at the LR the statistic reads) is "
+    "**AT PLATEAU**, not PASS or FAIL: its statistic measures the plateau, not the claim; so is a claim with "
+    "such a primary.",
     "'At its own best LR' is cross-fitted: each seed's value is read at the LR with the lowest mean capped "
     "held-out loss over the *other* seeds, so choosing the LR does not flatter the arm; beside it, a bootstrap "
     "interval that chooses the LR again in every resample.",
@@ -482,14 +485,15 @@ def write_csvs(out: Path, judged: list, results: dict, header: dict | None = Non
             for seed, x in enumerate(o.samples_a):
                 y = o.samples_b[seed] if o.samples_b is not None and seed < len(o.samples_b) else ""
                 rows.append([claim.number, o.test.id, o.test.tier, o.test.stat, o.test.a, o.test.b or "",
-                             seed, repr(x), repr(y) if y != "" else "", *judged_as, *prov])
+                             run.start + seed, repr(x), repr(y) if y != "" else "", *judged_as, *prov])
     write_text_atomic(out / "measurements.csv", _csv(rows))
     runs = [["configuration", "seed", "lr", "warmup", "steps", "held_out_loss", "initial_loss", "outcome",
              "diverged_at", "seconds"]]
+    first = header_seeds(header, judged[0][3].scale).start if judged else 0  # seeds are numbered as run
     for spec, per_seed in results.items():
         if isinstance(spec, Train):
             for seed, r in enumerate(per_seed):
-                runs.append([spec.label(), seed, spec.lr, spec.warmup, spec.steps, repr(final_loss(r)),
+                runs.append([spec.label(), first + seed, spec.lr, spec.warmup, spec.steps, repr(final_loss(r)),
                              repr(r["losses"][0]) if r["losses"] else "", outcome(r),
                              "" if r["diverged_at"] is None else r["diverged_at"], f"{r['seconds']:.2f}"])
     write_text_atomic(out / "runs.csv", _csv(runs))

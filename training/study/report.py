@@ -260,7 +260,7 @@ def claim_section(claim: Claim, verdict: str, outcomes: list[Outcome], ctx: Cont
     if best:
         lines += ["", "Best LR per arm (lowest mean held-out loss over all seeds; a diverged run counts as the loss "
                   "at init; the tests read each seed at the LR chosen on the other seeds): " + "; ".join(best) + "."]
-    trend = _trend(claim, ctx)
+    trend = [] if claim.primaries_only else _trend(claim, ctx)  # trends read runs a primaries-only run lacks
     if trend:
         lines += [""] + trend
     reading = None if claim.primaries_only else READINGS.get(claim.number)  # readings quote secondary tests

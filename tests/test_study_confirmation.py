@@ -64,3 +64,21 @@ def test_read_run_refuses_a_directory_without_results(tmp_path):
              "diff": {"mean": 0.1, "lo": 0.05, "hi": 0.15}}]}]}))
     run = read_run(tmp_path)[4]
     assert run["seeds"] == range(1000, 1006) and run["horizon"] == 2 and run["verdict"] == "PASS"
+
+
+def test_a_primaries_only_confirmatory_run_writes_its_report(tmp_path):
+    """At-init claims only (seconds): a confirmatory run end to end, its report and CSVs on seeds 1000+."""
+    import csv as csv_module
+
+    from training.study.cli import run_study
+
+    verdicts = run_study(tmp_path / "out", quick=True, claims=[5, 13], jobs=1, data_dir=tmp_path / "data",
+                         seed_start=1000, primaries_only=True)
+    assert [c.number for c, _ in verdicts] == [5, 13]
+    report = (tmp_path / "out" / "report.md").read_text()
+    assert "--seed_start 1000 --primaries_only" in report and "5b" not in report  # 5b is a secondary
+    rows = list(csv_module.DictReader((tmp_path / "out" / "measurements.csv").open()))
+    assert {int(r["seed"]) for r in rows} == set(range(1000, 1000 + SCALES["quick"].init_seeds))
+    assert {r["specified"] for r in rows} == {"before"}  # 13b was specified after seeds 0-9, not these
+    run = read_run(tmp_path / "out")
+    assert run[13]["seeds"].start == 1000

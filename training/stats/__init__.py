@@ -48,6 +48,7 @@ outcome and the learning-rate statistics), outcomes.py and reach.py; every name 
 
 from __future__ import annotations
 
+from training.stats.counts import p_rate_difference, p_rate_equivalent, poisson_interval, rate_difference_interval
 from training.stats.estimates import (
     ALPHA,
     Estimate,
@@ -94,6 +95,7 @@ from training.stats.verdicts import (
     Judgement,
     benjamini_hochberg,
     comparison_verdict,
+    count_p_values,
     exact_can_reject,
     holm,
     judge,
@@ -106,12 +108,13 @@ from training.stats.verdicts import (
     with_divergences,
 )
 
-__all__ = ["ALPHA", "BETTER", "COMPARISONS", "EQUIVALENT", "EXACT_FLIPS", "FAIL", "INCONCLUSIVE", "MODES", "PASS",
-           "P_KEYS", "REDUCTIONS", "SAMPLED_FLIPS", "STALL_NATS", "WORSE", "Estimate", "Judgement", "Reach",
-           "ReachComparison", "Reduction", "benjamini_hochberg", "best_index", "best_lr_bootstrap", "capped_loss",
-           "compare_reach", "comparison_verdict", "count_spikes", "crossfit_best", "difference", "estimate",
-           "exact_can_reject", "holm", "initial_loss_cap", "judge", "judge_counts", "judge_family", "judge_reach",
-           "loss_z", "lr_reach", "lr_sensitivity", "mean_and_sd", "min_detectable", "no_estimate", "p_values",
-           "paired_difference", "perm_equivalent", "power_at", "reach_interval", "seeds_for_exact", "seeds_needed",
-           "series_peak", "sign_flip_p", "signed_rank_sum", "slope", "t_quantile", "training_outcome",
+__all__ = ["ALPHA", "BETTER", "COMPARISONS", "EQUIVALENT", "EXACT_FLIPS", "Estimate", "FAIL", "INCONCLUSIVE",
+           "Judgement", "MODES", "PASS", "P_KEYS", "REDUCTIONS", "Reach", "ReachComparison", "Reduction",
+           "SAMPLED_FLIPS", "STALL_NATS", "WORSE", "benjamini_hochberg", "best_index", "best_lr_bootstrap",
+           "capped_loss", "compare_reach", "comparison_verdict", "count_p_values", "count_spikes", "crossfit_best",
+           "difference", "estimate", "exact_can_reject", "holm", "initial_loss_cap", "judge", "judge_counts",
+           "judge_family", "judge_reach", "loss_z", "lr_reach", "lr_sensitivity", "mean_and_sd", "min_detectable",
+           "no_estimate", "p_rate_difference", "p_rate_equivalent", "p_values", "paired_difference", "perm_equivalent",
+           "poisson_interval", "power_at", "rate_difference_interval", "reach_interval", "seeds_for_exact",
+           "seeds_needed", "series_peak", "sign_flip_p", "signed_rank_sum", "slope", "t_quantile", "training_outcome",
            "with_divergences"]

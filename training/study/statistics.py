@@ -273,6 +273,10 @@ def log_time(ctx: Context, role: str) -> list[float]:
     return [math.log(x) for x in ctx.extra["timing"].get(role, [math.nan])]
 
 
+# Statistics whose per-seed values are counts of events: judged by exact tests on their totals
+# (`training.stats.count_p_values`), never by a t-test of the per-seed differences.
+COUNT_STATISTICS = frozenset({"diverged_runs"})
+
 STATISTICS: dict[str, Callable[..., list[float]]] = {
     "growth_slope": _per_seed(_growth_slope),
     "growth_slope_2": _per_seed(lambda p, L: _growth_slope(p, L, first=2)),

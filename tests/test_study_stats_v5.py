@@ -1,0 +1,69 @@
+"""The study's and sweeps' statistics where a naive t-test would mislead (synthetic numbers, no training): no
+spread is no evidence, counts are judged exactly on their totals."""
+import math
+
+import pytest
+
+from training.stats import (
+    BETTER,
+    EQUIVALENT,
+    INCONCLUSIVE,
+    PASS,
+    WORSE,
+    difference,
+    judge,
+    judge_counts,
+    paired_difference,
+    rate_difference_interval,
+)
+from training.study.claims import CLAIMS
+from training.study.judge import from_samples, judge_tests
+
+
+def _claim_test(test_id: str):
+    return next(t for c in CLAIMS for t in c.tests if t.id == test_id)
+
+
+@pytest.mark.parametrize("a, b", [([4.1] * 5, [4.0] * 5), ([4.0, 4.1, 4.2], [4.0, 4.1, 4.2])])
+def test_no_spread_gives_no_t_based_p_and_no_verdict(a, b):
+    d = paired_difference(a, b)  # every seed's difference the same: se = 0
+    assert d.no_spread and "no spread" in str(d)
+    assert math.isnan(d.p_value()) and math.isnan(d.p_equivalent(0.05)) and math.isnan(d.p_exceeds(0.05))
+    for margin, claim in ((0.05, False), (0.5, False), (0.5, True), (None, False)):
+        j = judge(d, margin, equivalence_claim=claim)
+        assert j.verdict == INCONCLUSIVE and math.isnan(j.p["difference"]) and math.isnan(j.p["equivalence"])
+    welch = difference([4.1] * 3, [4.0] * 3)
+    assert math.isnan(welch.p_value()) and judge(welch, 0.5).verdict == INCONCLUSIVE
+
+
+def test_no_spread_in_a_study_test_is_not_a_pass():
+    t = _claim_test("15a")  # an equivalence claim on the held-out loss
+    o = from_samples(t, [4.0] * 6, [4.0] * 6)
+    judge_tests([o])
+    assert o.verdict == INCONCLUSIVE and o.verdict not in (PASS, BETTER, WORSE, EQUIVALENT)
+
+
+def test_zero_of_eighteen_against_zero_is_not_equivalence():
+    t = _claim_test("15e")  # diverged runs per seed, equivalent within ±0.5 per seed
+    assert t.stat == "diverged_runs" and t.margin == 0.5 and t.kind == "equivalent"
+    o = from_samples(t, [0.0] * 6, [0.0] * 6)  # 6 seeds × 3 LRs, no run diverged in either arm
+    judge_tests([o])
+    assert o.verdict != PASS and o.verdict == INCONCLUSIVE
+    # one divergence each, at the same seed: the paired differences are all 0 (no spread), yet 1 of 18 against
+    # 1 of 18 bounds the rate difference only to about ±1 per seed, so equivalence within ±0.5 is not shown
+    o = from_samples(t, [1.0] + [0.0] * 5, [1.0] + [0.0] * 5)
+    judge_tests([o])
+    assert o.verdict == INCONCLUSIVE and o.p["equivalence"] > 0.05
+    lo, hi = rate_difference_interval(0, 0, 6)
+    assert -0.75 < lo < -0.5 and 0.5 < hi < 0.75  # 0 of 18 each: still up to ~0.73 per seed apart
+
+
+def test_a_clear_difference_in_counts_is_detected():
+    t = _claim_test("15e")
+    o = from_samples(t, [3.0, 3.0, 2.0, 3.0, 3.0, 2.0], [0.0] * 6)
+    judge_tests([o])
+    assert o.judgement.verdict == WORSE and o.verdict == "FAIL" and o.judgement.exact_only
+    assert o.p["difference"] == pytest.approx(2 / 64)  # the sign-flip test's, the larger of the two exact p's
+    many = judge_counts({"x": ([0] * 40, [0] * 40), "y": ([0] * 60, [1] + [0] * 59)}, margin=0.5)
+    assert many["x"].verdict == INCONCLUSIVE  # nothing happened: no test at all
+    assert many["y"].verdict == EQUIVALENT  # 0 of 60 against 1 of 60: the rates are bounded well inside ±0.5

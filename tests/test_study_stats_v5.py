@@ -2,6 +2,7 @@
 spread is no evidence, counts are judged exactly on their totals."""
 import math
 
+import numpy as np
 import pytest
 
 from training.stats import (
@@ -10,14 +11,17 @@ from training.stats import (
     INCONCLUSIVE,
     PASS,
     WORSE,
+    crossfit_sensitivity,
     difference,
     judge,
     judge_counts,
+    lr_sensitivity,
     paired_difference,
     rate_difference_interval,
 )
 from training.study.claims import CLAIMS
 from training.study.judge import from_samples, judge_tests
+from training.sweep.analysis import LrGroup
 
 
 def _claim_test(test_id: str):
@@ -67,3 +71,37 @@ def test_a_clear_difference_in_counts_is_detected():
     many = judge_counts({"x": ([0] * 40, [0] * 40), "y": ([0] * 60, [1] + [0] * 59)}, margin=0.5)
     assert many["x"].verdict == INCONCLUSIVE  # nothing happened: no test at all
     assert many["y"].verdict == EQUIVALENT  # 0 of 60 against 1 of 60: the rates are bounded well inside ±0.5
+
+
+def _sensitivity_bias(noise_a: float, noise_b: float, crossfit: bool, draws: int = 1000, seeds: int = 12) -> float:
+    """The mean over simulated draws of the mean per-seed LR-sensitivity difference a − b, both arms with the
+    same mean curve over a 5-LR grid and independent per-run noise."""
+    curve = np.array([3.6, 3.3, 3.2, 3.35, 3.9])
+    rng = np.random.default_rng(0)
+    out = []
+    for _ in range(draws):
+        arms = [curve[:, None] + rng.normal(0, sd, (len(curve), seeds)) for sd in (noise_a, noise_b)]
+        if crossfit:
+            a, b = (crossfit_sensitivity(arm.tolist()) for arm in arms)
+        else:  # the per-seed minimum
+            a, b = ([lr_sensitivity(dict(enumerate(col)), math.inf) for col in arm.T] for arm in arms)
+        out.append(np.mean(a) - np.mean(b))
+    return float(np.mean(out))
+
+
+def test_crossfit_lr_sensitivity_has_no_noise_bias():
+    assert abs(_sensitivity_bias(0.10, 0.02, crossfit=True)) < 0.005
+    # the per-seed minimum makes the noisier arm look more sensitive: what the cross-fit removes
+    assert 0.02 < _sensitivity_bias(0.10, 0.02, crossfit=False) < 0.06  # 4× the tolerance above
+
+
+def test_the_sweep_and_the_study_share_the_crossfit_sensitivity():
+    grid = {s: [3.6 + 0.1 * s, 3.3, 3.2 + 0.05 * (s % 3), 3.35, 3.9 - 0.02 * s] for s in range(5)}
+    group = LrGroup("g", dict.fromkeys([1e-3, 3e-3, 1e-2, 3e-2, 0.1]), {}, {}, None, None, grid)
+    per_lr = [[grid[s][i] for s in grid] for i in range(5)]
+    expected = crossfit_sensitivity(per_lr)
+    assert list(group.per_seed_sensitivity().values()) == pytest.approx(expected)
+    # each seed: its grid mean minus its value at the LR best on the other four seeds' mean curve
+    s0 = grid[0]
+    others = np.mean([grid[s] for s in range(1, 5)], axis=0)
+    assert expected[0] == pytest.approx(np.mean(s0) - s0[int(np.argmin(others))])

@@ -28,8 +28,9 @@ A run that diverged is an outcome, not a number: it counts as worse than any run
 with seeds where only one arm diverged is decided by the exact sign-flip test of the signed ranks of every
 seed's difference (diverged = worst), so agreeing evidence from both kinds of seed adds up; the t-interval over
 the seeds where both trained is shown beside it. A run's outcome (trains / stalled / diverged) is
-`training_outcome` of its losses. The learning-rate statistics (`initial_loss_cap`, `lr_sensitivity`,
-`best_index`, `crossfit_best`, `best_lr_bootstrap`) are defined here once for the study and the sweeps.
+`training_outcome` of its losses. The learning-rate statistics (`initial_loss_cap`, `lr_sensitivity` and
+`crossfit_sensitivity` — read at the LR the other seeds chose, free of the per-seed-minimum bias —, `best_index`,
+`crossfit_best`, `best_lr_bootstrap`) are defined here once for the study and the sweeps.
 
 Run-level outcomes beside the final metric (outcomes.py: a metric's reduction over its logged values, loss
 spikes by the guard's z-score rule, a series' peak, the exact test of paired counts) and the learning-rate reach
@@ -66,6 +67,7 @@ from training.stats.lr import (
     best_lr_bootstrap,
     capped_loss,
     crossfit_best,
+    crossfit_sensitivity,
     initial_loss_cap,
     lr_sensitivity,
     training_outcome,
@@ -112,9 +114,9 @@ __all__ = ["ALPHA", "BETTER", "COMPARISONS", "EQUIVALENT", "EXACT_FLIPS", "Estim
            "Judgement", "MODES", "PASS", "P_KEYS", "REDUCTIONS", "Reach", "ReachComparison", "Reduction",
            "SAMPLED_FLIPS", "STALL_NATS", "WORSE", "benjamini_hochberg", "best_index", "best_lr_bootstrap",
            "capped_loss", "compare_reach", "comparison_verdict", "count_p_values", "count_spikes", "crossfit_best",
-           "difference", "estimate", "exact_can_reject", "holm", "initial_loss_cap", "judge", "judge_counts",
-           "judge_family", "judge_reach", "loss_z", "lr_reach", "lr_sensitivity", "mean_and_sd", "min_detectable",
-           "no_estimate", "p_rate_difference", "p_rate_equivalent", "p_values", "paired_difference", "perm_equivalent",
-           "poisson_interval", "power_at", "rate_difference_interval", "reach_interval", "seeds_for_exact",
-           "seeds_needed", "series_peak", "sign_flip_p", "signed_rank_sum", "slope", "t_quantile", "training_outcome",
-           "with_divergences"]
+           "crossfit_sensitivity", "difference", "estimate", "exact_can_reject", "holm", "initial_loss_cap", "judge",
+           "judge_counts", "judge_family", "judge_reach", "loss_z", "lr_reach", "lr_sensitivity", "mean_and_sd",
+           "min_detectable", "no_estimate", "p_rate_difference", "p_rate_equivalent", "p_values", "paired_difference",
+           "perm_equivalent", "poisson_interval", "power_at", "rate_difference_interval", "reach_interval",
+           "seeds_for_exact", "seeds_needed", "series_peak", "sign_flip_p", "signed_rank_sum", "slope", "t_quantile",
+           "training_outcome", "with_divergences"]

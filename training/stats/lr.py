@@ -47,14 +47,29 @@ def capped_loss(loss: float, cap: float) -> float:
     return min(loss, cap) if math.isfinite(loss) else cap
 
 
-def lr_sensitivity(final_by_lr: Mapping[float, float], cap: float) -> float:
+def lr_sensitivity(final_by_lr: Mapping[float, float], cap: float, at: float | None = None) -> float:
     """Wortsman et al. 2023's learning-rate sensitivity of one configuration at one seed: the mean over the LR
-    grid of the capped final loss (`capped_loss`) minus the best of them. A configuration that diverges over
-    much of the grid is sensitive; one whose loss is flat across the grid scores 0."""
+    grid of the capped final loss (`capped_loss`) minus the loss at the best LR `at` — chosen on the other seeds
+    (`crossfit_sensitivity`, what the study and the sweeps compare) — or, without `at`, minus this seed's own
+    minimum. The own minimum is biased low by the seed's noise (the minimum of noisy values sits below the
+    minimum of their means), the more so the noisier the configuration, so it makes a noisier configuration
+    look more sensitive; use it for one seed alone only. A configuration that diverges over much of the grid is
+    sensitive; one whose loss is flat across the grid scores about 0."""
     if not final_by_lr:
         raise ValueError("lr_sensitivity needs at least one learning rate")
-    capped = [capped_loss(x, cap) for x in final_by_lr.values()]
-    return statistics.fmean(capped) - min(capped)
+    capped = {lr: capped_loss(x, cap) for lr, x in final_by_lr.items()}
+    return statistics.fmean(capped.values()) - (min(capped.values()) if at is None else capped[at])
+
+
+def crossfit_sensitivity(per_lr: Sequence[Sequence[float]]) -> list[float]:
+    """Per seed, the LR sensitivity (`lr_sensitivity`) read at the LR that is best on the *other* seeds' mean
+    curve (`crossfit_best`): the mean over the grid of the seed's capped final losses minus its loss at that LR.
+    The LR is chosen on runs independent of the seed's own, so its noise does not lower the reference value:
+    two configurations with the same mean curve get the same expected sensitivity whatever their noise, and the
+    per-seed values stay paired with the other configuration's seeds (a paired test applies). `per_lr`
+    [LR][seed], already capped (`capped_loss`); one seed alone falls back to its own minimum."""
+    values = np.asarray(per_lr, dtype=float)
+    return [float(values[:, s].mean()) - ref for s, ref in enumerate(crossfit_best(per_lr, "min"))]
 
 
 def best_index(scores: Sequence[float], mode: str = "min") -> int:

@@ -19,8 +19,8 @@ from training.stats import (
     best_index,
     capped_loss,
     crossfit_best,
+    crossfit_sensitivity,
     initial_loss_cap,
-    lr_sensitivity,
     slope,
 )
 from training.study.grid import AtInit, Job, Scale
@@ -156,10 +156,11 @@ def best_lr_loss(ctx: Context, role: str) -> list[float]:
 
 
 def lr_sensitivities(ctx: Context, role: str) -> list[float]:
-    """Per seed, Wortsman et al.'s LR sensitivity over the family's sweep (`training.stats.lr_sensitivity`)."""
-    sweep, lrs = _sweep(ctx, role), [ctx.roles[r].lr for r in ctx.family(role)]
-    return [lr_sensitivity({lr: final_loss(runs[s]) for lr, runs in zip(lrs, sweep, strict=True)}, cap)
-            for s, cap in enumerate(_caps(sweep))]
+    """Per seed, Wortsman et al.'s LR sensitivity over the family's sweep, cross-fitted (`training.stats.
+    crossfit_sensitivity`): the mean over the grid of the seed's capped held-out loss minus its loss at the LR
+    that is best on the other seeds' mean curve — not the seed's own minimum, which noise biases low and would
+    make the noisier arm look more sensitive."""
+    return crossfit_sensitivity(capped_grid(ctx, role))
 
 
 def high_lr_sensitivity(ctx: Context, role: str) -> list[float]:

@@ -20,8 +20,12 @@ from training.stats import (
     rate_difference_interval,
 )
 from training.study.claims import CLAIMS
+from training.study.grid import SCALES, shallow, train
 from training.study.judge import from_samples, judge_tests
+from training.study.statistics import STATISTICS, Context, lr_reach_censored, unbracketed
 from training.sweep.analysis import LrGroup
+
+SCALE = SCALES["quick"]
 
 
 def _claim_test(test_id: str):
@@ -105,3 +109,43 @@ def test_the_sweep_and_the_study_share_the_crossfit_sensitivity():
     s0 = grid[0]
     others = np.mean([grid[s] for s in range(1, 5)], axis=0)
     assert expected[0] == pytest.approx(np.mean(s0) - s0[int(np.argmin(others))])
+
+
+LOSSES = [6.0, 5.5, 5.0, 4.8, 4.6, 4.5, 4.4, 4.3, 4.2, 4.1]  # a run that trains
+
+
+def _lr_ctx(per_seed_curves: list[list[float]], lrs=(1e-4, 1e-3, 1e-2, 1e-1)) -> Context:
+    """A family `x@i` over `lrs` whose held-out loss at seed s and LR i is per_seed_curves[s][i]."""
+    roles = {f"x@{i}": train(SCALE, shallow(SCALE), lr=lr) for i, lr in enumerate(lrs)}
+    results = {roles[f"x@{i}"]: [{"losses": LOSSES, "diverged_at": None, "val_loss": curve[i]}
+                                 for curve in per_seed_curves] for i in range(len(lrs))}
+    return Context(SCALE, roles, results)
+
+
+REACH_CURVES = [[4.5, 3.98, 4.0, 4.3], [4.5, 4.3, 4.1, 4.15], [4.6, 4.2, 4.05, 4.6]]
+
+
+def test_lr_reach_per_seed_by_hand():
+    # every leave-one-out mean curve is best at 1e-2 (index 2); each seed is read there, delta 0.1 nats:
+    # seed 0, level 4.1: left between 1e-4 (4.5) and 1e-3 (3.98) at −3 − 0.12/0.52, right between 1e-2 and 1e-1
+    # (4.3) at −2 + 0.1/0.3 — its own best (3.98 at 1e-3) would give 1.459 instead
+    # seed 1, level 4.2: left at −2 − 0.1/0.2, right open at 1e-1 (4.15 is inside): censored, at least 1.5
+    # seed 2, level 4.15: left at −2 − 0.1/0.15, right at −2 + 0.1/0.55
+    ctx = _lr_ctx(REACH_CURVES)
+    widths = STATISTICS["lr_reach"](ctx, "x", delta=0.1)
+    by_hand = [(-2 + 0.1 / 0.3) - (-3 - 0.12 / 0.52), 1.5, 0.1 / 0.55 + 0.1 / 0.15]
+    assert widths == pytest.approx(by_hand, rel=1e-9)
+    assert lr_reach_censored(ctx, "x", delta=0.1) == [False, True, False]
+    assert STATISTICS["lr_reach"](ctx, "x") == pytest.approx(by_hand)  # delta defaults to 0.1 nats
+
+
+def test_unbracketed_names_the_edge_of_the_best_lr():
+    assert unbracketed(_lr_ctx(REACH_CURVES), "x") is None
+    low = [[4.0, 4.2, 4.5, 5.0]] * 3
+    assert unbracketed(_lr_ctx(low), "x") == "lowest"
+    assert unbracketed(_lr_ctx([list(reversed(c)) for c in low]), "x") == "highest"
+    assert unbracketed(_lr_ctx([[4.0]], lrs=(1e-3,)), "x") is None  # one LR: no grid to be at the edge of
+    # high_lr_sensitivity is defined at the lowest edge, and not at the highest (nothing above to measure)
+    assert STATISTICS["high_lr_sensitivity"](_lr_ctx(low), "x") == pytest.approx([(0.2 + 0.5 + 1.0) / 3] * 3)
+    assert all(math.isnan(x) for x in STATISTICS["high_lr_sensitivity"](
+        _lr_ctx([list(reversed(c)) for c in low]), "x"))

@@ -67,6 +67,7 @@ from training.stats.lr import (
     best_lr_bootstrap,
     capped_loss,
     crossfit_best,
+    crossfit_indices,
     crossfit_sensitivity,
     initial_loss_cap,
     lr_sensitivity,
@@ -82,7 +83,15 @@ from training.stats.outcomes import (
     series_peak,
 )
 from training.stats.power import min_detectable, power_at, seeds_needed
-from training.stats.reach import Reach, ReachComparison, compare_reach, judge_reach, lr_reach, reach_interval
+from training.stats.reach import (
+    Reach,
+    ReachComparison,
+    compare_reach,
+    crossfit_reaches,
+    judge_reach,
+    lr_reach,
+    reach_interval,
+)
 from training.stats.verdicts import (
     BETTER,
     COMPARISONS,
@@ -114,9 +123,9 @@ __all__ = ["ALPHA", "BETTER", "COMPARISONS", "EQUIVALENT", "EXACT_FLIPS", "Estim
            "Judgement", "MODES", "PASS", "P_KEYS", "REDUCTIONS", "Reach", "ReachComparison", "Reduction",
            "SAMPLED_FLIPS", "STALL_NATS", "WORSE", "benjamini_hochberg", "best_index", "best_lr_bootstrap",
            "capped_loss", "compare_reach", "comparison_verdict", "count_p_values", "count_spikes", "crossfit_best",
-           "crossfit_sensitivity", "difference", "estimate", "exact_can_reject", "holm", "initial_loss_cap", "judge",
-           "judge_counts", "judge_family", "judge_reach", "loss_z", "lr_reach", "lr_sensitivity", "mean_and_sd",
-           "min_detectable", "no_estimate", "p_rate_difference", "p_rate_equivalent", "p_values", "paired_difference",
-           "perm_equivalent", "poisson_interval", "power_at", "rate_difference_interval", "reach_interval",
-           "seeds_for_exact", "seeds_needed", "series_peak", "sign_flip_p", "signed_rank_sum", "slope", "t_quantile",
-           "training_outcome", "with_divergences"]
+           "crossfit_indices", "crossfit_reaches", "crossfit_sensitivity", "difference", "estimate",
+           "exact_can_reject", "holm", "initial_loss_cap", "judge", "judge_counts", "judge_family", "judge_reach",
+           "loss_z", "lr_reach", "lr_sensitivity", "mean_and_sd", "min_detectable", "no_estimate", "p_rate_difference",
+           "p_rate_equivalent", "p_values", "paired_difference", "perm_equivalent", "poisson_interval", "power_at",
+           "rate_difference_interval", "reach_interval", "seeds_for_exact", "seeds_needed", "series_peak",
+           "sign_flip_p", "signed_rank_sum", "slope", "t_quantile", "training_outcome", "with_divergences"]

@@ -84,17 +84,21 @@ def best_index(scores: Sequence[float], mode: str = "min") -> int:
     return min(valid, key=lambda i: sign * scores[i])
 
 
-def crossfit_best(per_lr: Sequence[Sequence[float]], mode: str = "min") -> list[float]:
-    """Per seed, the capped final metric at the best learning rate chosen on the *other* seeds (leave one seed
-    out): the value at "its own best LR" without the optimism of choosing the LR on the same runs it is read
-    from. `per_lr` [LR][seed]; one seed alone keeps its own choice."""
+def crossfit_indices(per_lr: Sequence[Sequence[float]], mode: str = "min") -> list[int]:
+    """Per seed, the index of the best learning rate on the mean curve of the *other* seeds (leave one seed out);
+    `per_lr` [LR][seed]; one seed alone keeps its own choice."""
     values = np.asarray(per_lr, dtype=float)
     n = values.shape[1]
-    out = []
-    for s in range(n):
-        others = values[:, [i for i in range(n) if i != s]] if n > 1 else values
-        out.append(float(values[best_index(list(others.mean(axis=1)), mode), s]))
-    return out
+    return [best_index(list((values[:, [i for i in range(n) if i != s]] if n > 1 else values).mean(axis=1)), mode)
+            for s in range(n)]
+
+
+def crossfit_best(per_lr: Sequence[Sequence[float]], mode: str = "min") -> list[float]:
+    """Per seed, the capped final metric at the best learning rate chosen on the *other* seeds
+    (`crossfit_indices`): the value at "its own best LR" without the optimism of choosing the LR on the same runs
+    it is read from. `per_lr` [LR][seed]; one seed alone keeps its own choice."""
+    values = np.asarray(per_lr, dtype=float)
+    return [float(values[i, s]) for s, i in enumerate(crossfit_indices(per_lr, mode))]
 
 
 def best_lr_bootstrap(per_lr_a: Sequence[Sequence[float]], per_lr_b: Sequence[Sequence[float]],

@@ -16,9 +16,12 @@ from dataclasses import dataclass, field
 
 from training import health_tags as T
 from training.stats import (
+    Reach,
     best_index,
     capped_loss,
     crossfit_best,
+    crossfit_indices,
+    crossfit_reaches,
     crossfit_sensitivity,
     initial_loss_cap,
     slope,
@@ -164,14 +167,54 @@ def lr_sensitivities(ctx: Context, role: str) -> list[float]:
 
 
 def high_lr_sensitivity(ctx: Context, role: str) -> list[float]:
-    """Per seed, the one-sided LR sensitivity above the family's own best LR (`best_lr_index`): the mean over
-    the higher LRs of the capped held-out loss minus the loss at the best one. NaN when the best LR is the
-    grid's highest (the grid does not reach the arm's failure: nothing to measure)."""
+    """Per seed, the one-sided LR sensitivity above the best LR, cross-fitted (`training.stats.crossfit_indices`:
+    the LR best on the other seeds' mean curve, so the seed's own noise does not lower the reference): the mean
+    over the higher LRs of the seed's capped held-out loss minus its loss at that LR. NaN for a seed whose best
+    LR so chosen is the grid's highest (the grid does not reach the arm's failure: nothing to measure); whether
+    the family's best LR sits at an edge of the grid is `unbracketed`."""
     grid = capped_grid(ctx, role)
-    best = best_lr_index(ctx, role)
-    if best == len(grid) - 1:
-        return [math.nan] * len(grid[0])
-    return [statistics.fmean(row[s] - grid[best][s] for row in grid[best + 1:]) for s in range(len(grid[0]))]
+    out = []
+    for s, best in enumerate(crossfit_indices(grid)):
+        above = grid[best + 1:]
+        out.append(statistics.fmean(row[s] - grid[best][s] for row in above) if above else math.nan)
+    return out
+
+
+def unbracketed(ctx: Context, family: str) -> str | None:
+    """Which edge of the LR grid the family's best LR (`best_lr_index`: lowest mean capped held-out loss over
+    seeds) sits at — "lowest" or "highest" — else None. At an edge the optimum may lie beyond the grid, so
+    statistics read relative to the best LR (LR sensitivity, `high_lr_sensitivity`, `best_lr_loss`, `lr_reach`)
+    describe the grid rather than the configuration; the sweeps flag the same (`LrGroup.unbracketed`)."""
+    lrs = [ctx.roles[r].lr for r in ctx.family(family)]
+    if len(lrs) < 2:
+        return None
+    best = lrs[best_lr_index(ctx, family)]
+    return "lowest" if best == min(lrs) else "highest" if best == max(lrs) else None
+
+
+def _seed_reaches(ctx: Context, role: str, delta: float) -> list[Reach]:
+    """Per seed, the LR reach of the family's capped held-out loss (`training.stats.crossfit_reaches`), the grid
+    put in ascending LR order."""
+    lrs = [ctx.roles[r].lr for r in ctx.family(role)]
+    order = sorted(range(len(lrs)), key=lambda i: lrs[i])
+    grid = capped_grid(ctx, role)
+    return crossfit_reaches([lrs[i] for i in order], [grid[i] for i in order], delta)
+
+
+def lr_reach_widths(ctx: Context, role: str, delta: float = 0.1) -> list[float]:
+    """Per seed, the LR reach in decades (`training.stats.lr_reach`, the sweeps' definition): the width in log₁₀
+    LR of the contiguous range, linear in log LR between grid points, whose capped held-out loss stays within
+    `delta` nats of the seed's loss at the LR that is best on the *other* seeds' mean curve. That reference is
+    cross-fitted rather than the seed's own best (a minimum of its noise, biased low, which narrows a noisier
+    arm's range) or the seed-mean best (which includes the seed's own runs); it keeps one paired value per seed.
+    A range that reaches a grid edge is only a lower bound: `lr_reach_censored` says which seeds."""
+    return [r.width for r in _seed_reaches(ctx, role, delta)]
+
+
+def lr_reach_censored(ctx: Context, role: str, delta: float = 0.1) -> list[bool]:
+    """Per seed, whether its `lr_reach_widths` value runs to an edge of the grid (`Reach.at_least`): the true
+    reach may be wider, so a comparison of such values is a comparison of lower bounds."""
+    return [r.at_least for r in _seed_reaches(ctx, role, delta)]
 
 
 def diverged_runs(ctx: Context, role: str) -> list[float]:
@@ -302,6 +345,7 @@ STATISTICS: dict[str, Callable[..., list[float]]] = {
     "grad_log_ratio": grad_log_ratio,
     "abs_grad_log_ratio": abs_grad_log_ratio,
     "high_lr_sensitivity": high_lr_sensitivity,
+    "lr_reach": lr_reach_widths,
     "diverged_runs": diverged_runs,
     "loss_gap": loss_gap,
     "non_finite_grad": lambda ctx, role: [float(not all(math.isfinite(x) for x in r["block_grad"]))

@@ -4,6 +4,7 @@ import math
 
 import numpy as np
 import pytest
+import scipy.stats as scipy_stats
 
 from training.stats import (
     BETTER,
@@ -11,8 +12,10 @@ from training.stats import (
     INCONCLUSIVE,
     PASS,
     WORSE,
+    benjamini_hochberg,
     crossfit_sensitivity,
     difference,
+    holm,
     judge,
     judge_counts,
     lr_sensitivity,
@@ -149,3 +152,28 @@ def test_unbracketed_names_the_edge_of_the_best_lr():
     assert STATISTICS["high_lr_sensitivity"](_lr_ctx(low), "x") == pytest.approx([(0.2 + 0.5 + 1.0) / 3] * 3)
     assert all(math.isnan(x) for x in STATISTICS["high_lr_sensitivity"](
         _lr_ctx([list(reversed(c)) for c in low]), "x"))
+
+
+P_FAMILY = [0.001, 0.04, 0.03, 0.2, 0.012, 0.5, 0.049, 0.0101]
+
+
+def test_holm_and_benjamini_hochberg_match_statsmodels():
+    multitest = pytest.importorskip("statsmodels.stats.multitest")
+    assert holm(P_FAMILY) == pytest.approx(list(multitest.multipletests(P_FAMILY, method="holm")[1]), rel=1e-12)
+    assert benjamini_hochberg(P_FAMILY) == pytest.approx(
+        list(multitest.multipletests(P_FAMILY, method="fdr_bh")[1]), rel=1e-12)
+    assert benjamini_hochberg(P_FAMILY) == pytest.approx(list(scipy_stats.false_discovery_control(P_FAMILY)))
+
+
+@pytest.mark.parametrize("a, b, margin", [
+    ([4.01, 4.10, 3.91, 4.04, 3.98], [4.0, 4.1, 3.9, 4.05, 4.0], 0.05),
+    ([4.3, 4.1, 4.2, 4.25], [4.0, 4.05, 3.95, 4.1], 0.1),  # far outside: p near 1, capped at 1
+])
+def test_tost_is_twice_statsmodels_ttost(a, b, margin):
+    """normlab's equivalence p is 2 × the usual TOST p (the larger one-sided p), capped at 1: equivalence at α
+    is the usual TOST at α/2, i.e. the (1 − α) interval inside ±margin. Paired and Welch alike."""
+    weightstats = pytest.importorskip("statsmodels.stats.weightstats")
+    paired = weightstats.ttost_paired(np.array(a), np.array(b), -margin, margin)[0]
+    assert paired_difference(a, b).p_equivalent(margin) == pytest.approx(min(1.0, 2 * paired), rel=1e-9)
+    welch = weightstats.ttost_ind(np.array(a), np.array(b), -margin, margin, usevar="unequal")[0]
+    assert difference(a, b).p_equivalent(margin) == pytest.approx(min(1.0, 2 * welch), rel=1e-9)

@@ -15,6 +15,7 @@ from training.stats import (
     benjamini_hochberg,
     crossfit_sensitivity,
     difference,
+    estimate,
     holm,
     judge,
     judge_counts,
@@ -26,6 +27,7 @@ from training.study.claims import CLAIMS
 from training.study.grid import SCALES, shallow, train
 from training.study.judge import from_samples, judge_tests
 from training.study.statistics import STATISTICS, Context, lr_reach_censored, unbracketed
+from training.study.timing import between_run_estimate, round_orders, run_medians
 from training.sweep.analysis import LrGroup
 
 SCALE = SCALES["quick"]
@@ -177,3 +179,24 @@ def test_tost_is_twice_statsmodels_ttost(a, b, margin):
     assert paired_difference(a, b).p_equivalent(margin) == pytest.approx(min(1.0, 2 * paired), rel=1e-9)
     welch = weightstats.ttost_ind(np.array(a), np.array(b), -margin, margin, usevar="unequal")[0]
     assert difference(a, b).p_equivalent(margin) == pytest.approx(min(1.0, 2 * welch), rel=1e-9)
+
+
+def test_timing_is_judged_between_runs():
+    # two timing runs whose rounds agree closely within each run but sit 10% apart: the rounds of one run (or the
+    # rounds pooled) give a narrow interval that misses the other run; the per-run medians' interval covers both
+    rng = np.random.default_rng(0)
+    runs = [list(1.00 * np.exp(rng.normal(0, 0.005, 30))), list(1.10 * np.exp(rng.normal(0, 0.005, 30)))]
+    medians = run_medians(runs)
+    e = between_run_estimate(runs)
+    assert e.n == 2 and all(e.lo < math.log(m) < e.hi for m in medians)
+    pooled = estimate([math.log(x) for r in runs for x in r])
+    assert not all(pooled.lo < math.log(m) < pooled.hi for m in medians)  # what one run's rounds would claim
+    assert medians == pytest.approx([float(np.median(r)) for r in runs])
+
+
+def test_timing_rounds_are_in_a_balanced_seeded_random_order():
+    orders = round_orders(30, seed=0)
+    assert sum(orders) == 15 and orders == round_orders(30, seed=0)
+    assert orders != round_orders(30, seed=1)  # each run its own order
+    assert orders != [r % 2 == 1 for r in range(30)] and orders != [r % 2 == 0 for r in range(30)]
+    assert sum(round_orders(5, seed=3)) == 3

@@ -124,8 +124,8 @@ def test_holm_across_the_family_can_withdraw_a_verdict():
 
 
 def test_deterministic_and_single_seed_edge_cases():
-    same = paired_difference([4.0, 4.1], [4.0, 4.1])  # identical runs: no difference, no noise
-    assert judge(same, 0.05).verdict == EQUIVALENT
+    same = paired_difference([4.0, 4.1], [4.0, 4.1])  # identical runs: no spread, so no t-test and no verdict
+    assert judge(same, 0.05).verdict == INCONCLUSIVE and math.isnan(same.p_value())
     assert judge(paired_difference([4.0], [4.5]), 0.05).verdict == INCONCLUSIVE  # one seed: no noise estimate
     diverged = estimate([math.inf, 4.0])
     assert diverged.mean == math.inf and math.isnan(diverged.p_value())

@@ -84,8 +84,9 @@ def test_paired_counts_get_the_exact_test_alone():
     assert more.p["difference"] > 0 and more.verdict == WORSE and more.exact_only
     # 0 spikes against 0: nothing to test, so no verdict at all (not BETTER, not EQUIVALENT)
     assert math.isnan(none.p["difference"]) and none.verdict == INCONCLUSIVE
-    # equal counts at every seed: no difference (p = 1), and equivalence within one spike shown exactly
-    assert same.p["difference"] == 1.0 and same.verdict == "EQUIVALENT"
+    # equal counts at every seed: no difference (p = 1); 8 against 8 spikes over 8 seeds bounds the rates' difference
+    # only to about ±1.8 per seed, so equivalence within one spike is not shown (no spread is not certainty)
+    assert same.p["difference"] == 1.0 and same.verdict == INCONCLUSIVE and same.p["equivalence"] > 0.05
     # Holm across the two comparisons that have a test (k = 2): the nothing-happened one does not count
     assert more.level == pytest.approx(0.025)
 

@@ -72,6 +72,14 @@ def test_the_printed_t_test_p_values_are_scipys():
     assert checked >= 15
 
 
+# Claims whose verdict the current rules change from the committed run's (until the study is run again): the
+# verdict judged again from the CSVs, and why.
+CHANGED_BY_RULES = {
+    6: ("INCONCLUSIVE", "LR sensitivity is cross-fitted (each seed read at the LR best on the other seeds); the "
+                        "per-seed minimum the committed run used favours the noisier arm: +0.034 [-0.053, 0.121]"),
+}
+
+
 def test_the_scorecard_judged_again_from_the_csvs_gives_the_reports_verdicts():
     spec = importlib.util.spec_from_file_location("rejudge_from_csv", REPO / "scripts" / "rejudge_from_csv.py")
     module = importlib.util.module_from_spec(spec)
@@ -79,7 +87,10 @@ def test_the_scorecard_judged_again_from_the_csvs_gives_the_reports_verdicts():
     lines = module.rejudge(STUDY, [])
     again = {int(n): v for n, v in re.findall(r"^\| (\d+) \|.*?\(claim: \*\*(\w+)\*\*\)", "\n".join(lines),
                                                  flags=re.M)}
-    assert again == claim_verdicts()
+    committed = claim_verdicts()
+    for n, (now, _why) in CHANGED_BY_RULES.items():
+        assert committed[n] != now, f"claim {n}: the committed report already says {now}; drop it from the list"
+    assert again == committed | {n: now for n, (now, _) in CHANGED_BY_RULES.items()}
     changed = lines[lines.index("| test | committed | now | estimate [95% CI] |") + 2:]
     assert changed == [], "secondary verdicts the CSVs do not reproduce"
 

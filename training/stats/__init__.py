@@ -29,8 +29,9 @@ with seeds where only one arm diverged is decided by the exact sign-flip test of
 seed's difference (diverged = worst), so agreeing evidence from both kinds of seed adds up; the t-interval over
 the seeds where both trained is shown beside it. A run's outcome (trains / plateau / diverged) is
 `training_outcome` of its losses and the unigram entropy of its training data (`on_plateau`). The learning-rate
-statistics (`initial_loss_cap`, `lr_sensitivity`, `best_index`, `crossfit_best`, `best_lr_bootstrap`) are defined
-here once for the study and the sweeps.
+statistics (`initial_loss_cap`, `lr_sensitivity` and `crossfit_sensitivity` — read at the LR the other seeds chose,
+free of the per-seed-minimum bias —, `best_index`, `crossfit_best`, `best_lr_bootstrap`) are defined here once for
+the study and the sweeps.
 
 Run-level outcomes beside the final metric (outcomes.py: a metric's reduction over its logged values, loss
 spikes by the guard's z-score rule, a series' peak, the exact test of paired counts) and the learning-rate reach
@@ -49,6 +50,7 @@ outcome and the learning-rate statistics), outcomes.py and reach.py; every name 
 
 from __future__ import annotations
 
+from training.stats.counts import p_rate_difference, p_rate_equivalent, poisson_interval, rate_difference_interval
 from training.stats.estimates import (
     ALPHA,
     Estimate,
@@ -66,6 +68,8 @@ from training.stats.lr import (
     best_lr_bootstrap,
     capped_loss,
     crossfit_best,
+    crossfit_indices,
+    crossfit_sensitivity,
     initial_loss_cap,
     lr_sensitivity,
     on_plateau,
@@ -81,7 +85,15 @@ from training.stats.outcomes import (
     series_peak,
 )
 from training.stats.power import min_detectable, power_at, seeds_needed
-from training.stats.reach import Reach, ReachComparison, compare_reach, judge_reach, lr_reach, reach_interval
+from training.stats.reach import (
+    Reach,
+    ReachComparison,
+    compare_reach,
+    crossfit_reaches,
+    judge_reach,
+    lr_reach,
+    reach_interval,
+)
 from training.stats.verdicts import (
     AT_PLATEAU,
     BETTER,
@@ -97,6 +109,7 @@ from training.stats.verdicts import (
     Judgement,
     benjamini_hochberg,
     comparison_verdict,
+    count_p_values,
     exact_can_reject,
     holm,
     judge,
@@ -109,12 +122,14 @@ from training.stats.verdicts import (
     with_divergences,
 )
 
-__all__ = ["ALPHA", "AT_PLATEAU", "BETTER", "COMPARISONS", "EQUIVALENT", "EXACT_FLIPS", "FAIL", "INCONCLUSIVE", "MODES",
-           "PASS", "P_KEYS", "REDUCTIONS", "PLATEAU_NATS", "SAMPLED_FLIPS", "WORSE", "Estimate", "Judgement", "Reach",
-           "ReachComparison", "Reduction", "benjamini_hochberg", "best_index", "best_lr_bootstrap", "capped_loss",
-           "compare_reach", "comparison_verdict", "count_spikes", "crossfit_best", "difference", "estimate",
+__all__ = ["ALPHA", "AT_PLATEAU", "BETTER", "COMPARISONS", "EQUIVALENT", "EXACT_FLIPS", "Estimate", "FAIL",
+           "INCONCLUSIVE", "Judgement", "MODES", "PASS", "PLATEAU_NATS", "P_KEYS", "REDUCTIONS", "Reach",
+           "ReachComparison", "Reduction", "SAMPLED_FLIPS", "WORSE", "benjamini_hochberg", "best_index",
+           "best_lr_bootstrap", "capped_loss", "compare_reach", "comparison_verdict", "count_p_values", "count_spikes",
+           "crossfit_best", "crossfit_indices", "crossfit_reaches", "crossfit_sensitivity", "difference", "estimate",
            "exact_can_reject", "holm", "initial_loss_cap", "judge", "judge_counts", "judge_family", "judge_reach",
            "loss_z", "lr_reach", "lr_sensitivity", "mean_and_sd", "min_detectable", "no_estimate", "on_plateau",
-           "p_values", "paired_difference", "perm_equivalent", "power_at", "reach_interval", "seeds_for_exact",
+           "p_rate_difference", "p_rate_equivalent", "p_values", "paired_difference", "perm_equivalent",
+           "poisson_interval", "power_at", "rate_difference_interval", "reach_interval", "seeds_for_exact",
            "seeds_needed", "series_peak", "sign_flip_p", "signed_rank_sum", "slope", "t_quantile", "training_outcome",
            "with_divergences"]

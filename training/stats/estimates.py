@@ -19,6 +19,9 @@ class Estimate:
     """A mean (or a difference of means) over `n` seeds: its sd (of the samples; for a Welch difference, the
     standard error), its standard error `se` with `df` degrees of freedom, and the interval [lo, hi] at
     `confidence`. One sample: sd = se = 0, df = 0, lo = hi = mean (no noise estimate: no test can reject).
+    Several samples that are all equal (`no_spread`): se = 0 too, and a t-statistic of d / 0 is not evidence —
+    it would make any nonzero mean "infinitely significant" — so every t-based p is NaN (no verdict); only an
+    exact test of the samples themselves (the sign-flip twins, the exact count tests) can judge them.
     `samples`: the finite values it was computed from (empty for a Welch difference), for the sign-flip tests."""
 
     mean: float
@@ -37,8 +40,16 @@ class Estimate:
                     else f"— (n={self.n}: no finite value)")
         if self.n == 1:
             return f"{self.mean:.4g}"
+        if self.no_spread:
+            return f"{self.mean:.3g} (n={self.n}, no spread: every seed the same; no t-interval)"
         return (f"{self.mean:.3g} ± {self.sd:.2g} (n={self.n}, {self.confidence:.0%} CI "
                 f"[{self.lo:.3g}, {self.hi:.3g}])")
+
+    @property
+    def no_spread(self) -> bool:
+        """Two or more finite samples, all equal: no noise estimate, so no t-based test (the report's "no
+        spread")."""
+        return self.n > 1 and math.isfinite(self.mean) and self.se == 0
 
     def interval(self, confidence: float) -> tuple[float, float]:
         """The two-sided t-interval at `confidence`."""
@@ -51,21 +62,17 @@ class Estimate:
         """Two-sided p of the t-test of `mean == null` (NaN when there is no noise estimate and no exact answer)."""
         if not math.isfinite(self.mean):
             return math.nan
-        if self.se == 0:
-            return 1.0 if self.mean == null else (0.0 if self.n > 1 else math.nan)
-        if self.df < 1:
-            return math.nan
+        if not self.se > 0 or self.df < 1:
+            return math.nan  # no spread, or one sample: the t-statistic is undefined (class docstring)
         return float(2 * _scipy.t.sf(abs(self.mean - null) / self.se, self.df))
 
     def p_equivalent(self, margin: float) -> float:
         """p of the two one-sided tests of |mean| < margin, doubled: < α exactly when the (1−α) interval lies
-        inside (−margin, margin) (each one-sided test at α/2), so one threshold serves both families."""
+        inside (−margin, margin) (each one-sided test at α/2), so one threshold serves both families. This is
+        twice the p of the usual TOST (the larger one-sided p, each side at α): normlab's equivalence at α is
+        the usual TOST at α/2. NaN without a noise estimate (one sample, or no spread)."""
         margin = abs(margin)
-        if not math.isfinite(self.mean):
-            return math.nan
-        if self.se == 0:
-            return 0.0 if abs(self.mean) < margin and self.n > 1 else (1.0 if self.n > 1 else math.nan)
-        if self.df < 1:
+        if not math.isfinite(self.mean) or not self.se > 0 or self.df < 1:
             return math.nan
         p_lower = _scipy.t.sf((self.mean + margin) / self.se, self.df)  # H0: mean ≤ −margin
         p_upper = _scipy.t.cdf((self.mean - margin) / self.se, self.df)  # H0: mean ≥ +margin
@@ -74,7 +81,7 @@ class Estimate:
     def p_exceeds(self, margin: float) -> float:
         """The reverse of `p_equivalent`: p of |mean| > margin, the smaller of the two one-sided tests (mean >
         +margin, mean < −margin) doubled, so < α exactly when the (1−α) interval lies wholly outside ±margin.
-        NaN without a noise estimate."""
+        NaN without a noise estimate (one sample, or no spread)."""
         margin = abs(margin)
         if not math.isfinite(self.mean) or self.df < 1 or self.se <= 0:
             return math.nan

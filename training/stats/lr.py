@@ -60,14 +60,29 @@ def capped_loss(loss: float, cap: float) -> float:
     return min(loss, cap) if math.isfinite(loss) else cap
 
 
-def lr_sensitivity(final_by_lr: Mapping[float, float], cap: float) -> float:
+def lr_sensitivity(final_by_lr: Mapping[float, float], cap: float, at: float | None = None) -> float:
     """Wortsman et al. 2023's learning-rate sensitivity of one configuration at one seed: the mean over the LR
-    grid of the capped final loss (`capped_loss`) minus the best of them. A configuration that diverges over
-    much of the grid is sensitive; one whose loss is flat across the grid scores 0."""
+    grid of the capped final loss (`capped_loss`) minus the loss at the best LR `at` — chosen on the other seeds
+    (`crossfit_sensitivity`, what the study and the sweeps compare) — or, without `at`, minus this seed's own
+    minimum. The own minimum is biased low by the seed's noise (the minimum of noisy values sits below the
+    minimum of their means), the more so the noisier the configuration, so it makes a noisier configuration
+    look more sensitive; use it for one seed alone only. A configuration that diverges over much of the grid is
+    sensitive; one whose loss is flat across the grid scores about 0."""
     if not final_by_lr:
         raise ValueError("lr_sensitivity needs at least one learning rate")
-    capped = [capped_loss(x, cap) for x in final_by_lr.values()]
-    return statistics.fmean(capped) - min(capped)
+    capped = {lr: capped_loss(x, cap) for lr, x in final_by_lr.items()}
+    return statistics.fmean(capped.values()) - (min(capped.values()) if at is None else capped[at])
+
+
+def crossfit_sensitivity(per_lr: Sequence[Sequence[float]]) -> list[float]:
+    """Per seed, the LR sensitivity (`lr_sensitivity`) read at the LR that is best on the *other* seeds' mean
+    curve (`crossfit_best`): the mean over the grid of the seed's capped final losses minus its loss at that LR.
+    The LR is chosen on runs independent of the seed's own, so its noise does not lower the reference value:
+    two configurations with the same mean curve get the same expected sensitivity whatever their noise, and the
+    per-seed values stay paired with the other configuration's seeds (a paired test applies). `per_lr`
+    [LR][seed], already capped (`capped_loss`); one seed alone falls back to its own minimum."""
+    values = np.asarray(per_lr, dtype=float)
+    return [float(values[:, s].mean()) - ref for s, ref in enumerate(crossfit_best(per_lr, "min"))]
 
 
 def best_index(scores: Sequence[float], mode: str = "min") -> int:
@@ -82,17 +97,21 @@ def best_index(scores: Sequence[float], mode: str = "min") -> int:
     return min(valid, key=lambda i: sign * scores[i])
 
 
-def crossfit_best(per_lr: Sequence[Sequence[float]], mode: str = "min") -> list[float]:
-    """Per seed, the capped final metric at the best learning rate chosen on the *other* seeds (leave one seed
-    out): the value at "its own best LR" without the optimism of choosing the LR on the same runs it is read
-    from. `per_lr` [LR][seed]; one seed alone keeps its own choice."""
+def crossfit_indices(per_lr: Sequence[Sequence[float]], mode: str = "min") -> list[int]:
+    """Per seed, the index of the best learning rate on the mean curve of the *other* seeds (leave one seed out);
+    `per_lr` [LR][seed]; one seed alone keeps its own choice."""
     values = np.asarray(per_lr, dtype=float)
     n = values.shape[1]
-    out = []
-    for s in range(n):
-        others = values[:, [i for i in range(n) if i != s]] if n > 1 else values
-        out.append(float(values[best_index(list(others.mean(axis=1)), mode), s]))
-    return out
+    return [best_index(list((values[:, [i for i in range(n) if i != s]] if n > 1 else values).mean(axis=1)), mode)
+            for s in range(n)]
+
+
+def crossfit_best(per_lr: Sequence[Sequence[float]], mode: str = "min") -> list[float]:
+    """Per seed, the capped final metric at the best learning rate chosen on the *other* seeds
+    (`crossfit_indices`): the value at "its own best LR" without the optimism of choosing the LR on the same runs
+    it is read from. `per_lr` [LR][seed]; one seed alone keeps its own choice."""
+    values = np.asarray(per_lr, dtype=float)
+    return [float(values[i, s]) for s, i in enumerate(crossfit_indices(per_lr, mode))]
 
 
 def best_lr_bootstrap(per_lr_a: Sequence[Sequence[float]], per_lr_b: Sequence[Sequence[float]],

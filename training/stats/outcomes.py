@@ -11,10 +11,10 @@ paired test that judges a count.
   whose z-score exceeds the threshold, every finite loss entering the window of `window` earlier ones (as in the
   guard when it skips nothing).
 - `series_peak`: the largest value of any of the given series; a non-finite value is +inf (the worst).
-- `judge_counts`: paired counts judged on their per-seed differences by the exact sign-flip permutation test
-  alone (never a t-test: a count's differences are small integers, often all equal, and a standard error of 0
-  would give p = 0); when neither arm counted anything — 0 spikes against 0 — there is nothing to test and no
-  verdict.
+- `judge_counts`: paired counts judged by exact tests alone (never a t-test: a count's differences are small
+  integers, often all equal, and a standard error of 0 says nothing): the sign-flip permutation test of the
+  per-seed differences and the Poisson test on the totals (counts.py), both of which must reject; when neither
+  arm counted anything — 0 spikes against 0 — there is nothing to test and no verdict.
 """
 from __future__ import annotations
 
@@ -25,14 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from training.stats.estimates import ALPHA, estimate, no_estimate
-from training.stats.verdicts import (
-    Judgement,
-    assemble,
-    perm_equivalent,
-    sign_flip_p,
-    signed_rank_sum,
-    with_divergences,
-)
+from training.stats.verdicts import Judgement, assemble, count_p_values
 
 REDUCTIONS = ("final", "min", "max", "mean_last")
 Points = Sequence[tuple[int, float]]
@@ -125,23 +118,16 @@ def series_peak(series: Iterable[Points]) -> float:
 
 def judge_counts(counts: Mapping[str, tuple[Sequence[float], Sequence[float]]], margin: float | None,
                  discordant: Mapping[str, tuple[int, int]] | None = None, alpha: float = ALPHA) -> dict[str, Judgement]:
-    """Each comparison's paired counts (per seed: the candidate's, the baseline's; lower is better) judged on their
-    per-seed differences by the exact sign-flip permutation test alone, Holm-adjusted across the family:
-    "difference" and its twin are the same exact p, "equivalence" the sign-flip TOST within ±`margin`.
-    `discordant`: seeds whose run diverged in the candidate only / the baseline only, left out of `counts` (the
-    worst count: the signed-rank form, as for any metric). Where both arms counted nothing at every seed there is
-    nothing to test (NaN p: no verdict; 0 against 0 is not evidence of equivalence either)."""
+    """Each comparison's paired counts (per seed: the candidate's, the baseline's; lower is better) judged by exact
+    tests alone (`training.stats.count_p_values`: the paired sign-flip test and the Poisson test on the totals,
+    both must reject), Holm-adjusted across the family; equivalence within ±`margin` per seed. `discordant`:
+    seeds whose run diverged in the candidate only / the baseline only, left out of `counts` (the worst count:
+    the signed-rank form, as for any metric). Where both arms counted nothing at every seed there is nothing to
+    test (NaN p: no verdict)."""
     diverged = {n: (discordant or {}).get(n, (0, 0)) for n in counts}
-    ests, raw = {}, {}
+    ests = {}
     for n, (mine, base) in counts.items():
         xs = [float(a) - float(b) for a, b in zip(mine, base, strict=True)]
         ests[n] = estimate(xs) if xs else no_estimate()
-        values = with_divergences(ests[n], diverged[n]) if sum(diverged[n]) else xs
-        if not sum(diverged[n]) and not any(mine) and not any(base):
-            p = e = math.nan  # nothing happened in either arm
-        else:
-            p = sign_flip_p(values, ranks=bool(sum(diverged[n])))
-            e = perm_equivalent(xs, margin) if margin and not sum(diverged[n]) and xs else math.nan
-        direction = signed_rank_sum(values) if sum(diverged[n]) else sum(xs)
-        raw[n] = ({"difference": p, "equivalence": math.nan, "difference_perm": p, "equivalence_perm": e}, direction)
+    raw = {n: count_p_values(mine, base, margin, diverged[n]) for n, (mine, base) in counts.items()}
     return assemble(ests, dict.fromkeys(counts, margin), raw, "lower", alpha, diverged, exact_only=True)

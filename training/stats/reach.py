@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from training.stats.estimates import ALPHA, Estimate, no_estimate, t_quantile
-from training.stats.lr import MODES, best_index
+from training.stats.lr import MODES, best_index, crossfit_indices
 from training.stats.verdicts import Judgement, assemble
 
 EXACT_SWAPS = 12  # up to this many seeds every subset of swapped seeds is enumerated
@@ -69,9 +69,12 @@ def _crossing(x0: float, y0: float, x1: float, y1: float, level: float) -> float
     return x0 if not math.isfinite(y1) else x0 + (level - y0) / (y1 - y0) * (x1 - x0)
 
 
-def lr_reach(lrs: Sequence[float], scores: Sequence[float], delta: float, mode: str = "min") -> Reach:
+def lr_reach(lrs: Sequence[float], scores: Sequence[float], delta: float, mode: str = "min",
+             at: int | None = None) -> Reach:
     """The reach of the curve `scores` (the seed-mean final metric per LR, `lrs` ascending) within `delta` of its
-    best (module docstring)."""
+    best (module docstring). `at`: the index of the LR the range is centred on and whose score is the reference
+    (one seed's curve read at the LR chosen on the other seeds: `crossfit_reaches`); default the curve's own
+    best."""
     if mode not in MODES:
         raise ValueError(f"mode={mode!r} must be 'min' or 'max'")
     if not delta > 0:
@@ -79,7 +82,7 @@ def lr_reach(lrs: Sequence[float], scores: Sequence[float], delta: float, mode: 
     if len(lrs) != len(scores) or not lrs or any(b <= a for a, b in itertools.pairwise(lrs)) or min(lrs) <= 0:
         raise ValueError("lr_reach needs positive LRs in ascending order, one score each")
     x, y = [math.log10(lr) for lr in lrs], [float(v) for v in scores]
-    ib = best_index(y, mode)
+    ib = best_index(y, mode) if at is None else at
     level = y[ib] + delta if mode == "min" else y[ib] - delta
 
     def inside(v: float) -> bool:
@@ -94,6 +97,17 @@ def lr_reach(lrs: Sequence[float], scores: Sequence[float], delta: float, mode: 
         ends.append((x[i], True) if not 0 <= j < len(x) else (_crossing(x[i], y[i], x[j], y[j], level), False))
     (high, open_high), (low, open_low) = ends
     return Reach(high - low, low, high, lrs[ib], open_low, open_high, ib in (0, len(lrs) - 1) and len(lrs) > 1)
+
+
+def crossfit_reaches(lrs: Sequence[float], per_lr: Sequence[Sequence[float]], delta: float,
+                     mode: str = "min") -> list[Reach]:
+    """Per seed, the reach of the seed's own curve (`per_lr` [LR][seed], `lrs` ascending) around the LR that is
+    best on the *other* seeds' mean curve (`crossfit_indices`), within `delta` of the seed's value there: one
+    paired value per seed for a per-seed statistic. The reference is read at an LR chosen without the seed's
+    runs, so it is not a minimum of the seed's noise (which would sit below its mean and narrow a noisier
+    configuration's reach); the seed-mean curve's best would depend on the seed's own runs in the same way."""
+    return [lr_reach(lrs, [float(row[s]) for row in per_lr], delta, mode, at)
+            for s, at in enumerate(crossfit_indices(per_lr, mode))]
 
 
 def _width(lrs: Sequence[float], grid: np.ndarray, delta: float, mode: str) -> float:

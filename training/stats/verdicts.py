@@ -4,12 +4,13 @@ the four outcomes BETTER / WORSE / EQUIVALENT / INCONCLUSIVE, Holm's correction 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 from scipy import stats as _scipy
 
+from training.stats.counts import p_rate_difference, p_rate_equivalent
 from training.stats.estimates import ALPHA, Estimate
 from training.stats.power import min_detectable, power_at
 
@@ -151,6 +152,29 @@ def p_values(d: Estimate, margin: float | None, discordant: tuple[int, int] = (0
     return p, d.mean
 
 
+def count_p_values(mine: Sequence[float], base: Sequence[float], margin: float | None,
+                   discordant: tuple[int, int] = (0, 0)) -> tuple[dict[str, float], float]:
+    """The raw p-values (`P_KEYS`) and direction of paired counts (per seed: the candidate's, the baseline's),
+    judged by exact tests alone, never a t-test. Each p is the larger of two exact tests, so both must reject:
+    the paired sign-flip test of the per-seed differences (robust to seeds that differ in rate) and the Poisson
+    test on the totals (training/stats/counts.py, which does not mistake counts that are equal at every seed for
+    certainty); the "_perm" keys hold the same values. With seeds that diverged in one arm only (left out of the
+    counts): the signed-rank sign-flip test over every seed, as for any metric, and no equivalence. Where both
+    arms counted nothing at every seed there is nothing to test (NaN: no verdict)."""
+    xs = [float(a) - float(b) for a, b in zip(mine, base, strict=True)]
+    if sum(discordant):
+        values = [*xs, *[math.inf] * discordant[0], *[-math.inf] * discordant[1]]  # as `with_divergences`
+        p, e, direction = sign_flip_p(values, ranks=True), math.nan, signed_rank_sum(values)
+    elif not any(mine) and not any(base):
+        p, e, direction = math.nan, math.nan, 0.0  # nothing happened in either arm
+    else:
+        ta, tb = float(sum(mine)), float(sum(base))
+        p = max(sign_flip_p(xs), p_rate_difference(ta, tb))
+        e = max(perm_equivalent(xs, margin), p_rate_equivalent(ta, tb, len(xs), margin)) if margin else math.nan
+        direction = sum(xs)
+    return {"difference": p, "equivalence": e, "difference_perm": p, "equivalence_perm": e}, direction
+
+
 def comparison_verdict(direction: float, p_diff: float, p_equiv: float, better: str, alpha: float = ALPHA) -> str:
     """The verdict of one comparison from its (adjusted) p-values: EQUIVALENT when "equivalence" rejects, else
     BETTER / WORSE by the sign of `direction` when "difference" rejects, else INCONCLUSIVE (NaN never rejects)."""
@@ -201,13 +225,16 @@ class Judgement:
 
 def judge_family(differences: Mapping[str, Estimate], margin: float | None | Mapping[str, float | None],
                  better: str = "lower", alpha: float = ALPHA, discordant: Mapping[str, tuple[int, int]] | None = None,
-                 equivalence_claim: bool | Mapping[str, bool] = False) -> dict[str, Judgement]:
+                 equivalence_claim: bool | Mapping[str, bool] = False,
+                 counts: Mapping[str, tuple[Sequence[float], Sequence[float]]] | None = None) -> dict[str, Judgement]:
     """The four-way verdict of each difference (candidate − baseline) of one family against ±`margin`, each
     p-value Holm-adjusted across the family (`P_KEYS` separately). `better`: "lower" (a loss) or "higher" (an
     accuracy). `margin` None: no equivalence test. `discordant`: per comparison, (seeds whose run diverged in
     the candidate only, in the baseline only) — see `p_values`. `equivalence_claim`: the question is whether
     the arms are the same (the "difference" p tests |d| > margin; power is the equivalence test's). `margin`
-    and `equivalence_claim` may be given per comparison (a mapping by name)."""
+    and `equivalence_claim` may be given per comparison (a mapping by name). `counts`: the comparisons whose
+    statistic is a count, by name (the candidate's and the baseline's per-seed counts): judged by exact tests
+    alone (`count_p_values`), in the same Holm family as the rest."""
     if better not in ("lower", "higher"):
         raise ValueError(f"better={better!r} must be 'lower' or 'higher'")
     names = list(differences)
@@ -217,24 +244,27 @@ def judge_family(differences: Mapping[str, Estimate], margin: float | None | Map
     for m in margins.values():
         if m is not None and not m > 0:
             raise ValueError(f"margin={m!r} must be > 0 (the smallest difference that matters)")
-    counts = {n: (discordant or {}).get(n, (0, 0)) for n in names}
-    raw = {n: p_values(differences[n], margins[n], counts[n], same[n]) for n in names}
+    counts_d = {n: (discordant or {}).get(n, (0, 0)) for n in names}
+    counted = counts or {}
+    raw = {n: count_p_values(*counted[n], margins[n], counts_d[n]) if n in counted else
+           p_values(differences[n], margins[n], counts_d[n], same[n]) for n in names}
 
     def planning(n: str, level: float) -> tuple[float, float]:
         d = differences[n]
         return (power_at(d, margins[n], level, same[n]) if margins[n] else math.nan), min_detectable(d, level)
 
-    return assemble(differences, margins, raw, better, alpha, counts, planning)
+    return assemble(differences, margins, raw, better, alpha, counts_d, planning, set(counted))
 
 
 def assemble(estimates: Mapping[str, Estimate], margins: Mapping[str, float | None],
              raw: Mapping[str, tuple[dict[str, float], float]], better: str, alpha: float = ALPHA,
              discordant: Mapping[str, tuple[int, int]] | None = None,
              planning: Callable[[str, float], tuple[float, float]] | None = None,
-             exact_only: bool = False) -> dict[str, Judgement]:
+             exact_only: bool | Collection[str] = False) -> dict[str, Judgement]:
     """The family's Judgements from each comparison's raw p-values (`P_KEYS`) and direction: every key
-    Holm-adjusted across the family, the verdicts of the t-tests and of their sign-flip twins (`exact_only`: the
-    exact test's verdict is the verdict), and `planning(name, level)` → (power, MDE) at level α/k."""
+    Holm-adjusted across the family, the verdicts of the t-tests and of their sign-flip twins (`exact_only`, for
+    every comparison or the named ones: the exact test's verdict is the verdict), and `planning(name, level)` →
+    (power, MDE) at level α/k."""
     names = list(estimates)
     adjusted: dict[str, dict[str, float]] = {n: {} for n in names}
     for key in P_KEYS:
@@ -245,11 +275,12 @@ def assemble(estimates: Mapping[str, Estimate], margins: Mapping[str, float | No
     for n in names:
         (p, direction), q = raw[n], adjusted[n]
         perm = comparison_verdict(direction, q["difference_perm"], q["equivalence_perm"], better, alpha)
-        verdict = perm if exact_only else comparison_verdict(direction, q["difference"], q["equivalence"], better,
+        exact = exact_only if isinstance(exact_only, bool) else n in exact_only
+        verdict = perm if exact else comparison_verdict(direction, q["difference"], q["equivalence"], better,
                                                              alpha)
         power, mde = planning(n, level) if planning is not None else (math.nan, math.nan)
         out[n] = Judgement(estimates[n], margins[n], p, q, verdict, perm, direction,
-                           (discordant or {}).get(n, (0, 0)), level, power, mde, exact_only)
+                           (discordant or {}).get(n, (0, 0)), level, power, mde, exact)
     return out
 
 

@@ -37,7 +37,7 @@ from training.stats import (
 from training.study.claims import PRIMARY, REPORT, Claim, Test
 from training.study.grid import Job, Train
 from training.study.measure import outcome
-from training.study.statistics import STATISTICS, Context, best_lr_index, capped_grid
+from training.study.statistics import COUNT_STATISTICS, STATISTICS, Context, best_lr_index, capped_grid
 
 
 @dataclass
@@ -191,9 +191,11 @@ def _exact(o: Outcome) -> str:
 def judge_tests(outcomes: Sequence[Outcome]) -> None:
     """Judge one family (Holm across it) and set each outcome's judgement and verdicts."""
     judged = [o for o in outcomes if o.test.kind != "exact"]
+    counts = {o.test.id: (o.samples_a, o.samples_b) for o in judged  # counts: exact tests on the totals
+              if o.test.stat in COUNT_STATISTICS and o.samples_b is not None and not o.test.threshold}
     family = judge_family({o.test.id: o.judged for o in judged}, {o.test.id: o.test.margin for o in judged},
                           "lower", ALPHA, {o.test.id: o.discordant for o in judged},
-                          {o.test.id: o.test.kind == "equivalent" for o in judged})
+                          {o.test.id: o.test.kind == "equivalent" for o in judged}, counts)
     for o in outcomes:
         if o.test.kind == "exact":
             o.verdict = _exact(o)

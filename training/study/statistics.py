@@ -5,7 +5,8 @@ Probes are read after the last step for trained runs (`Train`) and on one real b
 (`AtInit`). Stream RMS `resid/rms/L{l}` is the stream entering block l, i.e. after l blocks; the final norm's
 input is the stream after all L blocks. A diverged run's held-out loss is +inf (`measure.final_loss`); where a
 statistic needs a number for every run of a learning-rate grid, it counts as the seed's loss at init
-(`training.stats.initial_loss_cap`), and "at its own best LR" is cross-fitted (`training.stats.crossfit_best`).
+(`training.stats.initial_loss_cap`), and "at its own best LR" is cross-fitted (`training.stats.crossfit_best`);
+those statistics of a learning-rate sweep are in `training.study.lr_statistics`.
 """
 from __future__ import annotations
 
@@ -15,16 +16,26 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from training import health_tags as T
-from training.stats import (
-    best_index,
-    capped_loss,
-    crossfit_best,
-    initial_loss_cap,
-    lr_sensitivity,
-    slope,
-)
+from training.stats import capped_loss, slope
 from training.study.grid import AtInit, Job, Scale
-from training.study.measure import final_loss, initial_loss, outcome
+from training.study.lr_statistics import (
+    best_lr_index,
+    best_lr_loss,
+    capped_final_loss,
+    capped_grid,
+    diverged_runs,
+    high_lr_sensitivity,
+    lr_reach_censored,
+    lr_reach_widths,
+    lr_sensitivities,
+    max_trainable_lr,
+    unbracketed,
+)
+from training.study.measure import final_loss, initial_loss
+
+# The LR-sweep statistics live in lr_statistics.py; the report, the plots and the judge import them from here.
+__all__ = ["COUNT_STATISTICS", "STATISTICS", "Context", "best_lr_index", "capped_final_loss", "capped_grid",
+           "lr_reach_censored", "probes", "stream_profile", "unbracketed"]
 
 ABLATION_FLOOR = 1e-4  # nats: a removed block's loss increase counts as at least this (log of a ratio)
 
@@ -122,75 +133,12 @@ def final_losses(ctx: Context, role: str) -> list[float]:
     return [final_loss(r) for r in ctx.runs(role)]
 
 
-def capped_final_loss(r: dict) -> float:
-    """The held-out loss, a diverged run counting as its loss at init (no better than not training)."""
-    return capped_loss(final_loss(r), initial_loss_cap([initial_loss(r)]))
-
-
-def _sweep(ctx: Context, family: str) -> list[list[dict]]:
-    """Per LR index of the family, its runs (seed order)."""
-    return [ctx.runs(r) for r in ctx.family(family)]
-
-
-def _caps(sweep: list[list[dict]]) -> list[float]:
-    """Per seed, the loss a diverged run counts as: `training.stats.initial_loss_cap` of the seed's runs."""
-    return [initial_loss_cap([initial_loss(runs[s]) for runs in sweep]) for s in range(len(sweep[0]))]
-
-
-def capped_grid(ctx: Context, family: str) -> list[list[float]]:
-    """[LR index][seed] the held-out loss capped at the seed's loss at init."""
-    sweep = _sweep(ctx, family)
-    caps = _caps(sweep)
-    return [[capped_loss(final_loss(r), cap) for r, cap in zip(runs, caps, strict=True)] for runs in sweep]
-
-
-def best_lr_index(ctx: Context, family: str) -> int:
-    """The LR index with the lowest mean capped held-out loss over seeds (`training.stats.best_index`)."""
-    return best_index([statistics.fmean(x) for x in capped_grid(ctx, family)])
-
-
-def best_lr_loss(ctx: Context, role: str) -> list[float]:
-    """Per seed, the capped held-out loss at the best LR chosen on the other seeds (`training.stats.
-    crossfit_best`): "at its own best LR" without the optimism of choosing on the runs it is read from."""
-    return crossfit_best(capped_grid(ctx, role))
-
-
-def lr_sensitivities(ctx: Context, role: str) -> list[float]:
-    """Per seed, Wortsman et al.'s LR sensitivity over the family's sweep (`training.stats.lr_sensitivity`)."""
-    sweep, lrs = _sweep(ctx, role), [ctx.roles[r].lr for r in ctx.family(role)]
-    return [lr_sensitivity({lr: final_loss(runs[s]) for lr, runs in zip(lrs, sweep, strict=True)}, cap)
-            for s, cap in enumerate(_caps(sweep))]
-
-
-def high_lr_sensitivity(ctx: Context, role: str) -> list[float]:
-    """Per seed, the one-sided LR sensitivity above the family's own best LR (`best_lr_index`): the mean over
-    the higher LRs of the capped held-out loss minus the loss at the best one. NaN when the best LR is the
-    grid's highest (the grid does not reach the arm's failure: nothing to measure)."""
-    grid = capped_grid(ctx, role)
-    best = best_lr_index(ctx, role)
-    if best == len(grid) - 1:
-        return [math.nan] * len(grid[0])
-    return [statistics.fmean(row[s] - grid[best][s] for row in grid[best + 1:]) for s in range(len(grid[0]))]
-
-
-def diverged_runs(ctx: Context, role: str) -> list[float]:
-    """Per seed, how many of the family's runs diverged."""
-    return [float(sum(outcome(runs[s]) == "diverged" for runs in _sweep(ctx, role)))
-            for s in range(len(_sweep(ctx, role)[0]))]
-
-
 def loss_gap(ctx: Context, role: str, swap: tuple[str, str]) -> list[float]:
     """Per seed, the held-out loss of `role` minus that of the role named with `swap[0]` replaced by `swap[1]`
     (claim 4e: post-LN's gap to pre-LN at the same LR and warm-up); ±inf when one of them diverged."""
     other = ctx.resolve(role).replace(*swap, 1)
     return [x - y if math.isfinite(x) or math.isfinite(y) else math.nan
             for x, y in zip(final_losses(ctx, role), final_losses(ctx, other), strict=True)]
-
-
-def max_trainable_lr(ctx: Context, role: str) -> list[float]:
-    sweep, lrs = _sweep(ctx, role), [ctx.roles[r].lr for r in ctx.family(role)]
-    return [max([lr for lr, runs in zip(lrs, sweep, strict=True) if outcome(runs[s]) == "trains"], default=0.0)
-            for s in range(len(sweep[0]))]
 
 
 def ablation_ratio(ctx: Context, role: str) -> list[float]:
@@ -273,6 +221,10 @@ def log_time(ctx: Context, role: str) -> list[float]:
     return [math.log(x) for x in ctx.extra["timing"].get(role, [math.nan])]
 
 
+# Statistics whose per-seed values are counts of events: judged by exact tests on their totals
+# (`training.stats.count_p_values`), never by a t-test of the per-seed differences.
+COUNT_STATISTICS = frozenset({"diverged_runs"})
+
 STATISTICS: dict[str, Callable[..., list[float]]] = {
     "growth_slope": _per_seed(_growth_slope),
     "growth_slope_2": _per_seed(lambda p, L: _growth_slope(p, L, first=2)),
@@ -297,6 +249,7 @@ STATISTICS: dict[str, Callable[..., list[float]]] = {
     "grad_log_ratio": grad_log_ratio,
     "abs_grad_log_ratio": abs_grad_log_ratio,
     "high_lr_sensitivity": high_lr_sensitivity,
+    "lr_reach": lr_reach_widths,
     "diverged_runs": diverged_runs,
     "loss_gap": loss_gap,
     "non_finite_grad": lambda ctx, role: [float(not all(math.isfinite(x) for x in r["block_grad"]))

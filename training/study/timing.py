@@ -8,16 +8,23 @@ eager composites (what the formulas cost when written out in PyTorch), and two f
 normlab's CPU RMSNorm (`model.kernels`, what training runs) and ATen's native `F.layer_norm`. `F.rms_norm` is
 timed too, against `F.layer_norm`, for context only: in torch 2.13 it is not fused on CPU (it decomposes into
 pow / mean / rsqrt / mul), so that ratio is a statement about ATen's CPU kernels, not about the algorithms.
-Candidates alternate within each round, so load hits both alike; each round gives one ratio, and the rounds are
-the samples.
+Each round times both candidates and gives one ratio; which candidate goes first in a round is a seeded
+shuffle, balanced within the run, so neither order nor a drift in load favours one. A run is the whole
+measurement (fresh inputs or models, a warm-up round, then the rounds), repeated `TIMING_RUNS` times: the rounds
+of one run share its machine state (caches, frequency, neighbours' load), so their spread understates how much a
+repeated measurement moves; the judged sample is the per-run medians (`run_medians`), whose interval is the
+between-run one (`between_run_estimate`).
 """
 from __future__ import annotations
 
 import contextlib
+import math
 import os
+import random
+import statistics
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from functools import partial
 
 import torch
@@ -26,9 +33,11 @@ import torch.nn.functional as F
 from model import Transformer, kernels
 from model.kernels import reference
 from model.norms import Norm
+from training.stats import Estimate, estimate
 from training.study.grid import Arch, Scale
 
 EPS = 1e-5
+TIMING_RUNS = 3  # repetitions of a whole timing measurement; the per-run medians are the judged sample
 # Autograd nodes of the norm backward passes: the fused C++ RMSNorm on CPU (its C++ autograd function,
 # model/kernels/cpu_rms.cpp), the Triton kernels' (model.kernels.ops._Eager) and ATen's native LayerNorm.
 NORM_BACKWARD_NODES = ("RMSNormFunction", "_EagerBackward", "NativeLayerNormBackward", "RmsNormBackward")
@@ -65,27 +74,52 @@ def _time(fn: Callable, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, repea
     return (time.perf_counter() - t) / repeats
 
 
-def _alternating_ratio(r: int, a: Callable[[], float], b: Callable[[], float]) -> float:
-    """Round `r` of an interleaved timing: time a and b (seconds), in an order that alternates from round to
-    round so that load drift hits both alike; their ratio."""
-    order = (a, b) if r % 2 else (b, a)
-    times = {fn: fn() for fn in order}
+def round_orders(rounds: int, seed: int) -> list[bool]:
+    """Per round, whether the first candidate is timed first: half the rounds each way (one more for the first
+    when `rounds` is odd), in a seeded random order, so a drift in load within the run cannot line up with
+    the order."""
+    orders = [r < (rounds + 1) // 2 for r in range(rounds)]
+    random.Random(seed).shuffle(orders)
+    return orders
+
+
+def _ratio(a_first: bool, a: Callable[[], float], b: Callable[[], float]) -> float:
+    """Time a and b (seconds) in the given order; their ratio."""
+    times = {fn: fn() for fn in ((a, b) if a_first else (b, a))}
     return times[a] / times[b]
 
 
-def op_ratios(shape: tuple[int, ...], rounds: int, repeats: int = 5) -> dict[str, list[float]]:
-    """Per pair, one forward+backward time ratio RMSNorm / LayerNorm per round (fp32, input of `shape`)."""
-    torch.manual_seed(0)
-    x = torch.randn(shape, requires_grad=True)
-    w, b = torch.ones(shape[-1], requires_grad=True), torch.zeros(shape[-1], requires_grad=True)
+def run_medians(runs: Sequence[Sequence[float]]) -> list[float]:
+    """Per timing run, the median of its rounds' ratios: the sample a timing claim is judged on."""
+    return [statistics.median(r) for r in runs]
+
+
+def between_run_estimate(runs: Sequence[Sequence[float]]) -> Estimate:
+    """The estimate of the log ratio over timing runs (`runs`: each run's per-round ratios), taken over the
+    per-run medians: its interval carries the run-to-run variation that the rounds of a single run miss."""
+    return estimate([math.log(m) for m in run_medians(runs)])
+
+
+def op_ratios(shape: tuple[int, ...], rounds: int, repeats: int = 5, runs: int = TIMING_RUNS,
+              seed: int = 0) -> dict[str, list[float]]:
+    """Per pair, the median forward+backward time ratio RMSNorm / LayerNorm of each of `runs` timing runs (fp32,
+    input of `shape`; each run a warm-up round and `rounds` rounds in `round_orders`)."""
     pairs = {name: pair for name, pair in PAIRS.items() if name != "fused" or fused_rms_available()}
-    ratios: dict[str, list[float]] = {name: [] for name in pairs}
-    for r in range(rounds + 1):  # round 0 warms up
-        for name, (rms, ln) in pairs.items():
-            ratio = _alternating_ratio(r, partial(_time, rms, x, w, b, repeats), partial(_time, ln, x, w, b, repeats))
-            if r:
-                ratios[name].append(ratio)
-    return ratios
+    per_run: dict[str, list[list[float]]] = {name: [] for name in pairs}
+    for run in range(runs):
+        torch.manual_seed(run)
+        x = torch.randn(shape, requires_grad=True)
+        w, b = torch.ones(shape[-1], requires_grad=True), torch.zeros(shape[-1], requires_grad=True)
+        orders = [True, *round_orders(rounds, seed * 1000 + run)]  # round 0 warms up
+        ratios: dict[str, list[float]] = {name: [] for name in pairs}
+        for r, a_first in enumerate(orders):  # round 0 warms up
+            for name, (rms, ln) in pairs.items():
+                ratio = _ratio(a_first, partial(_time, rms, x, w, b, repeats), partial(_time, ln, x, w, b, repeats))
+                if r:
+                    ratios[name].append(ratio)
+        for name in pairs:
+            per_run[name].append(ratios[name])
+    return {name: run_medians(rs) for name, rs in per_run.items()}
 
 
 @contextlib.contextmanager
@@ -152,22 +186,29 @@ def norm_share(arch: Arch, scale: Scale, vocab_size: int, tokens: torch.Tensor,
 
 
 def step_time_ratios(arch_a: Arch, arch_b: Arch, scale: Scale, vocab_size: int, tokens: torch.Tensor, rounds: int,
-                     steps: int = 2) -> list[float]:
-    """Per round, the time of `steps` training steps of `arch_a` over the same for `arch_b` (same seed, same
-    batch), the two alternating in order from round to round so that load drift hits both alike."""
-    models = []
-    for arch in (arch_a, arch_b):
-        torch.manual_seed(0)
-        model = Transformer(arch.config(scale, vocab_size))
-        models.append((model, torch.optim.AdamW(model.parameters(), lr=1e-4)))
+                     steps: int = 2, runs: int = TIMING_RUNS, seed: int = 0) -> list[float]:
+    """Per timing run (`runs` of them, each with freshly built models, a warm-up round and `rounds` rounds in
+    `round_orders`), the median over its rounds of the time of `steps` training steps of `arch_a` over the same
+    for `arch_b` (same seed, same batch)."""
+    medians = []
+    for run in range(runs):
+        models = []
+        for arch in (arch_a, arch_b):
+            torch.manual_seed(0)
+            model = Transformer(arch.config(scale, vocab_size))
+            models.append((model, torch.optim.AdamW(model.parameters(), lr=1e-4)))
+        orders = [True, *round_orders(rounds, seed * 1000 + run)]  # round 0 warms up
+        ratios = [_ratio(first, partial(_train_time, *models[0], tokens, steps),
+                         partial(_train_time, *models[1], tokens, steps)) for first in orders]
+        medians.append(statistics.median(ratios[1:]))  # round 0 warms up
+    return medians
 
-    def run(model, opt) -> float:
-        t = time.perf_counter()
-        for _ in range(steps):
-            model(tokens[:, :-1], targets=tokens[:, 1:]).backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-        return time.perf_counter() - t
 
-    ratios = [_alternating_ratio(r, partial(run, *models[0]), partial(run, *models[1])) for r in range(rounds + 1)]
-    return ratios[1:]  # round 0 warms up
+def _train_time(model: Transformer, opt: torch.optim.Optimizer, tokens: torch.Tensor, steps: int) -> float:
+    """Seconds for `steps` training steps of `model` on `tokens`."""
+    t = time.perf_counter()
+    for _ in range(steps):
+        model(tokens[:, :-1], targets=tokens[:, 1:]).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return time.perf_counter() - t

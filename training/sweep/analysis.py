@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from training.stats import (
@@ -24,11 +24,11 @@ from training.stats import (
     best_lr_bootstrap,
     capped_loss,
     crossfit_best,
+    crossfit_sensitivity,
     estimate,
     initial_loss_cap,
     judge_counts,
     judge_family,
-    lr_sensitivity,
     no_estimate,
     paired_difference,
 )
@@ -151,7 +151,8 @@ class LrGroup:
     loss above it) counts as — `training.stats.initial_loss_cap` of the seed's runs' step-0 losses; `scores`:
     per LR, the mean over seeds of the final metric so capped (mode max: a diverged run scores −inf);
     `best_lr`: the LR with the best score; `sensitivity`: Wortsman et al.'s LR sensitivity over the seeds that
-    have a run at every LR (mode min only); `grid`: [LR][seed] the capped values of those seeds, for the
+    have a run at every LR, each seed read at the LR the other seeds chose (`per_seed_sensitivity`; mode min
+    only); `grid`: [LR][seed] the capped values of those seeds, for the
     between-group comparisons; `late_caps`: seeds whose cap is a loss logged after some updates (the run did not
     log its step-0 loss)."""
 
@@ -180,7 +181,11 @@ class LrGroup:
         return statistics.median(finite) if finite else math.inf
 
     def per_seed_sensitivity(self) -> dict[Any, float]:
-        return {seed: statistics.fmean(row) - min(row) for seed, row in self.grid.items()}
+        """Per seed of `grid`, the LR sensitivity read at the LR the other seeds chose (`training.stats.
+        crossfit_sensitivity`: no per-seed-minimum bias, so a noisier group does not look more sensitive)."""
+        seeds = list(self.grid)
+        per_lr = [[self.grid[s][i] for s in seeds] for i in range(len(self.cells))]
+        return dict(zip(seeds, crossfit_sensitivity(per_lr), strict=True)) if seeds else {}
 
 
 def _scored(run: RunResult, cap: float, mode: str) -> float | None:
@@ -255,10 +260,10 @@ def _lr_group(name: str, members: list[Cell], lr_key: str, mode: str) -> LrGroup
         if all(v is not None and math.isfinite(v) for v in row):
             grid[seed] = row
     sensitivity = None
+    group = LrGroup(name, by_lr, caps, scores, best_lr, sensitivity, grid, late)
     if mode == "min" and len(by_lr) > 1 and grid:
-        sensitivity = estimate([lr_sensitivity(dict(zip(by_lr, row, strict=True)), caps[seed])
-                                for seed, row in grid.items()])
-    return LrGroup(name, by_lr, caps, scores, best_lr, sensitivity, grid, late)
+        group = replace(group, sensitivity=estimate(list(group.per_seed_sensitivity().values())))
+    return group
 
 
 def compare_groups(groups: Sequence[LrGroup], baseline: str, margin: float | None, mode: str, statistic: str,

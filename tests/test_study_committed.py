@@ -57,7 +57,7 @@ def test_every_claim_has_a_verdict_and_one_primary_row_or_more():
 def test_the_printed_t_test_p_values_are_scipys():
     """For each primary of a plain kind (an effect > 0, < 0 or ≠ 0 against its threshold, every seed finite) the
     two-sided one-sample t-test of the per-seed differences, minus the threshold, is the p the summary prints."""
-    kinds = {t.id: t for c in CLAIMS for t in c.primaries}
+    kinds = {t.id: t for c in CLAIMS for t in c.tests}  # the committed run's primaries, some secondary now
     values, checked = per_seed(), 0
     for test, row in summary().items():
         if kinds[test].kind not in ("greater", "less", "nonzero"):
@@ -75,9 +75,15 @@ def test_the_printed_t_test_p_values_are_scipys():
 # Claims whose verdict the current rules change from the committed run's (until the study is run again): the
 # verdict judged again from the CSVs, and why.
 CHANGED_BY_RULES = {
+    4: ("INCONCLUSIVE", "claim 4's primary is 4f since v5: the warm-up × placement interaction at lr 1e-3, where no "
+                        "arm sits on the unigram plateau (4e, at 1e-2, equalled −15a on every seed)"),
     6: ("INCONCLUSIVE", "LR sensitivity is cross-fitted (each seed read at the LR best on the other seeds); the "
                         "per-seed minimum the committed run used favours the noisier arm: +0.034 [-0.053, 0.121]"),
 }
+
+
+# Claims whose primary reads runs the committed run did not make (judged by the confirmatory run only).
+AWAITING = {16: "16f, the LR reach, reads lr 1e-4 and 3e-4, below the committed run's grid"}
 
 
 def test_the_scorecard_judged_again_from_the_csvs_gives_the_reports_verdicts():
@@ -90,8 +96,11 @@ def test_the_scorecard_judged_again_from_the_csvs_gives_the_reports_verdicts():
     committed = claim_verdicts()
     for n, (now, _why) in CHANGED_BY_RULES.items():
         assert committed[n] != now, f"claim {n}: the committed report already says {now}; drop it from the list"
-    assert again == committed | {n: now for n, (now, _) in CHANGED_BY_RULES.items()}
+    expected = committed | {n: now for n, (now, _) in CHANGED_BY_RULES.items()}
+    assert again == {n: v for n, v in expected.items() if n not in AWAITING}
     changed = lines[lines.index("| test | committed | now | estimate [95% CI] |") + 2:]
+    awaiting = "|".join(map(str, AWAITING))  # their LR grids now reach below the committed run's
+    changed = [line for line in changed if not re.match(rf"\| ({awaiting})[a-z] \|", line)]
     assert changed == [], "secondary verdicts the CSVs do not reproduce"
 
 

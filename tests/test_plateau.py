@@ -95,7 +95,8 @@ def test_an_arm_on_the_plateau_is_judged_at_plateau():
     AT PLATEAU (the claim too), and with 4 of 6 it is judged normally again."""
     offsets = [0.0, 0.02, -0.01, 0.01, -0.02, 0.015]
     below = [H - 0.3 + e for e in offsets]
-    claim, ctx = _claim12([x + 0.2 for x in below], below)
+    spread = [0.01, -0.01, 0.005, 0.0, -0.005, 0.002]  # the difference must vary: no spread gives no verdict
+    claim, ctx = _claim12([x + 0.2 + d for x, d in zip(below, spread, strict=True)], below)
     ((verdict, outs),) = judge_all([claim], [ctx])
     assert verdict == PASS and outs[0].verdict == PASS and plateau_arms(ctx, claim.primary) == []
 

@@ -182,7 +182,8 @@ def scorecard(exploratory: Path, confirms: list[Path], horizon: list[Path], entr
             if h is not None and test.id in h["tests"]:
                 h_text = f"{h['tests'][test.id]['verdict']}, {_estimate(h['tests'][test.id])}"
             if i == 0:
-                record = c["verdict"] if c is not None else ev
+                after = any(specified(t.id, explo_seeds) == "after" for t, _ in outs)
+                record = c["verdict"] if c is not None else f"{ev} (unconfirmed)" if after else ev
                 label = horizon_label(c["verdict"] if c else None, h["verdict"] if h else None)
                 head = (f"{claim.number}. {claim.title}", claim.evidence,
                         f"**{record}**" + (f" ({label}: ×2 gives {h['verdict']})" if label else ""))
@@ -194,8 +195,45 @@ def scorecard(exploratory: Path, confirms: list[Path], horizon: list[Path], entr
 
 
 def _ci(o: Outcome) -> str:
-    e = o.judged
-    if not math.isfinite(e.mean):
-        return "—"
-    shift = o.test.threshold if o.b is not None else 0.0
-    return f"{e.mean + shift:.3g} [{e.lo + shift:.3g}, {e.hi + shift:.3g}]"
+    e = o.shown  # the raw paired difference a − b, or one arm's statistic
+    return f"{e.mean:.3g} [{e.lo:.3g}, {e.hi:.3g}]" if math.isfinite(e.mean) else "—"
+
+
+def runs_table(paths: list[Path]) -> list[str]:
+    """One line per run directory: its command, seeds, horizon, code and claims hash, wall time and load."""
+    lines = ["| run | command | code (commit) | claims sha256 at the start | wall time | load before → after |",
+             "|---|---|---|---|---|---|"]
+    for path in paths:
+        header = json.loads((path / "results.json").read_text())["header"]
+        lines.append(f"| {path.name} | `{header.get('command', '?')}` | {str(header.get('commit', '?'))[:12]} | "
+                     f"{str(header.get('claims_sha256', 'not recorded'))[:16]} | {header.get('minutes', 0):.1f} min "
+                     f"({header.get('jobs', '?')} jobs) | {header.get('load_before', '?')} → "
+                     f"{header.get('load_after', '?')} |")
+    return lines
+
+
+def write_scorecard(out: Path, exploratory: Path, confirms: list[Path], horizon: list[Path],
+                    entropy: float = math.inf) -> None:
+    """Write the scorecard of record (Markdown) to `out`, atomically."""
+    from data.atomic import write_text_atomic
+    from training.study.provenance import claims_sha256
+
+    text = ["# The normalization study: the scorecard of record", "", SCORECARD_INTRO, "",
+            f"Judged with the claims whose sha256 is `{claims_sha256()}`; unigram entropy of the study corpus "
+            f"{entropy:.4f} nats (the plateau).", "", *scorecard(exploratory, confirms, horizon, entropy), "",
+            "## Runs", "", *runs_table([*confirms, *horizon]), ""]
+    write_text_atomic(out, "\n".join(text))
+
+
+SCORECARD_INTRO = (
+    "Each claim's primary tests, judged three times: on the **exploratory** run (the committed `report.md`, seeds "
+    "0–5 trained and 0–9 at init, judged again from its CSVs with the current claims and rules), on a "
+    "**confirmatory** run on fresh seeds (1000 onwards, disjoint from every seed a test was specified on), and, "
+    "for the claims whose answer is about leaving the unigram plateau, at **twice the steps** on the same "
+    "confirmatory seeds. 'specified after' marks a primary whose test was fixed after the exploratory data had "
+    "been seen: its exploratory verdict is what the data said, not a test. The **verdict of record** is the "
+    "confirmatory one where a claim was confirmed, else the exploratory one (every primary specified before its "
+    "data); a verdict that differs between the two horizons is marked **horizon-dependent**. AT PLATEAU: an arm "
+    "of the test ends on the unigram plateau (≥ 80% of its seeds within 0.05 nats of the corpus's unigram "
+    "entropy): the statistic measures the plateau, not the claim. Estimates are paired differences a − b (or one "
+    "arm's statistic) with 95% t-intervals; the confirmatory runs' own reports give every p, q, power and seed.")

@@ -19,11 +19,12 @@ from __future__ import annotations
 import csv
 import json
 import math
+import re
 from pathlib import Path
 
 from training.errors import UserError
 from training.stats import AT_PLATEAU
-from training.study.claims import CLAIMS, Test, specified
+from training.study.claims import BY_NUMBER, CLAIMS, Test, specified
 from training.study.grid import SCALES, Train
 from training.study.judge import Outcome, bh_scorecard, combine, from_samples, judge_tests, measure, plateau_arms
 from training.study.measure import UNIGRAM_ENTROPY
@@ -143,6 +144,12 @@ def _seeds(r: range) -> str:
     return f"seeds {r.start}–{r.stop - 1}" if len(r) else "—"
 
 
+def committed_verdicts(study: Path) -> dict[int, str]:
+    """Per claim, the verdict the committed report.md printed (its section headings)."""
+    heading = re.compile(r"^## (\d+)\. .* — \*\*([\w ]+)\*\*$", flags=re.M)
+    return {int(n): v for n, v in heading.findall((study / "report.md").read_text())}
+
+
 def horizon_label(one: str | None, two: str | None) -> str:
     """"horizon-dependent" when a claim's verdict differs between the two horizons; "" when it holds (or was not
     checked)."""
@@ -154,44 +161,50 @@ def specified_text(test: Test, seeds: range) -> str:
     return f"specified {specified(test.id, seeds)}"
 
 
+EXPLORATORY_SEEDS = range(0, 10)  # the committed run: seeds 0–5 trained, 0–9 at init
+
+
 def scorecard(exploratory: Path, confirms: list[Path], horizon: list[Path], entropy: float = math.inf) -> list[str]:
     """The scorecard of record as Markdown lines: per claim, exploratory and confirmatory verdicts side by side,
     the horizon check, and the claim's verdict (the confirmatory one where it exists)."""
-    explo = judge_csv(exploratory, entropy)
-    conf: dict[int, dict] = {}
-    for path in confirms:
-        conf |= read_run(path)
-    hor: dict[int, dict] = {}
-    for path in horizon:
-        hor |= read_run(path)
-    lines = ["| claim | evidence of | primary | exploratory (seeds 0–5; init 0–9): verdict, estimate; specified | "
-             "confirmatory: verdict, estimate; seeds | horizon ×2 (same seeds) | **verdict of record** |",
-             "|---|---|---|---|---|---|---|"]
+    explo, committed = judge_csv(exploratory, entropy), committed_verdicts(exploratory)
+    conf = {n: run for path in confirms for n, run in read_run(path).items()}
+    hor = {n: run for path in horizon for n, run in read_run(path).items()}
+    lines = ["| claim | evidence of | committed report | primary | exploratory (seeds 0–5; init 0–9), judged now: "
+             "verdict, estimate; specified | confirmatory: verdict, estimate; seeds | horizon ×2 (same seeds) | "
+             "**verdict of record** |", "|---|---|---|---|---|---|---|---|"]
     for claim in CLAIMS:
-        ev, outs = explo[claim.number]
-        c, h = conf.get(claim.number), hor.get(claim.number)
-        explo_seeds = range(0, 10)
-        for i, (test, o) in enumerate(outs):
-            e_text = "—" if o is None else f"{o.verdict}, {_ci(o)}"
-            if c is not None and test.id in c["tests"]:
-                t = c["tests"][test.id]
-                c_text = f"{t['verdict']}, {_estimate(t)}; {_seeds(c['seeds'])}"
-            else:
-                c_text = "—"
-            h_text = "—"
-            if h is not None and test.id in h["tests"]:
-                h_text = f"{h['tests'][test.id]['verdict']}, {_estimate(h['tests'][test.id])}"
-            if i == 0:
-                after = any(specified(t.id, explo_seeds) == "after" for t, _ in outs)
-                record = c["verdict"] if c is not None else f"{ev} (unconfirmed)" if after else ev
-                label = horizon_label(c["verdict"] if c else None, h["verdict"] if h else None)
-                head = (f"{claim.number}. {claim.title}", claim.evidence,
-                        f"**{record}**" + (f" ({label}: ×2 gives {h['verdict']})" if label else ""))
-            else:
-                head = ("", "", "")
-            lines.append(f"| {head[0]} | {head[1]} | {test.id} | {e_text}; {specified_text(test, explo_seeds)} | "
-                         f"{c_text} | {h_text} | {head[2]} |")
+        lines += _claim_rows(claim.number, explo[claim.number], committed.get(claim.number, "—"),
+                             conf.get(claim.number), hor.get(claim.number))
     return lines
+
+
+def verdict_of_record(exploratory: str, outs: list, confirmatory: dict | None) -> str:
+    """The confirmatory verdict where the claim was confirmed; else the exploratory one, marked "unconfirmed"
+    when a primary was specified after the exploratory data."""
+    if confirmatory is not None:
+        return confirmatory["verdict"]
+    after = any(specified(t.id, EXPLORATORY_SEEDS) == "after" for t, _ in outs)
+    return f"{exploratory} (unconfirmed)" if after else exploratory
+
+
+def _claim_rows(number: int, explo: tuple, committed: str, c: dict | None, h: dict | None) -> list[str]:
+    verdict, outs = explo
+    claim = BY_NUMBER[number]
+    record = verdict_of_record(verdict, outs, c)
+    label = horizon_label(c["verdict"] if c else None, h["verdict"] if h else None)
+    record = f"**{record}**" + (f" ({label}: ×2 gives {h['verdict']})" if label else "")
+    rows = []
+    for i, (test, o) in enumerate(outs):
+        e_text = ("—" if o is None else f"{o.verdict}, {_ci(o)}") + f"; {specified_text(test, EXPLORATORY_SEEDS)}"
+        c_text = h_text = "—"
+        if c is not None and test.id in c["tests"]:
+            c_text = f"{c['tests'][test.id]['verdict']}, {_estimate(c['tests'][test.id])}; {_seeds(c['seeds'])}"
+        if h is not None and test.id in h["tests"]:
+            h_text = f"{h['tests'][test.id]['verdict']}, {_estimate(h['tests'][test.id])}"
+        head = (f"{number}. {claim.title}", claim.evidence, committed, record) if i == 0 else ("",) * 4
+        rows.append(f"| {head[0]} | {head[1]} | {head[2]} | {test.id} | {e_text} | {c_text} | {h_text} | {head[3]} |")
+    return rows
 
 
 def _ci(o: Outcome) -> str:

@@ -82,3 +82,42 @@ def test_a_primaries_only_confirmatory_run_writes_its_report(tmp_path):
     assert {r["specified"] for r in rows} == {"before"}  # 13b was specified after seeds 0-9, not these
     run = read_run(tmp_path / "out")
     assert run[13]["seeds"].start == 1000
+
+
+def _claims_at(commit: str):
+    """CLAIMS as claims.py defined them at `commit` (its source from git, executed against today's modules)."""
+    import subprocess
+    import sys
+    import types
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    try:
+        source = subprocess.run(["git", "show", f"{commit}:training/study/claims.py"], cwd=repo, check=True,
+                                capture_output=True, text=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        pytest.skip(f"git history with commit {commit} is not available in this checkout")
+    module = types.ModuleType("claims_at_commit")
+    sys.modules[module.__name__] = module  # dataclasses resolve their module by name
+    try:
+        exec(compile(source, f"{commit}:claims.py", "exec"), module.__dict__)  # noqa: S102 - our own history
+    finally:
+        del sys.modules[module.__name__]
+    return module.CLAIMS
+
+
+def test_the_claims_hash_at_the_confirmatory_runs_commit_is_the_one_they_are_judged_with():
+    """Pre-registration, checked: the tests (statistics, roles, kinds, margins) the committed confirmatory runs
+    are judged with are those in claims.py at the commit the runs recorded, a commit older than their data."""
+    from pathlib import Path
+
+    from training.study.provenance import claims_sha256
+
+    v5 = Path(__file__).resolve().parents[1] / "docs" / "study" / "v5"
+    headers = [json.loads((d / "results.json").read_text())["header"] for d in sorted(v5.iterdir()) if d.is_dir()]
+    assert len(headers) >= 4 and all(h["seed_start"] >= 1000 for h in headers)
+    commits = {h["commit"] for h in headers}
+    assert all(not c.endswith("+dirty") for c in commits), commits  # the code that ran is a commit
+    scorecard = (v5.parent / "scorecard.md").read_text()
+    for commit in commits:
+        assert claims_sha256(_claims_at(commit)) == claims_sha256() and claims_sha256() in scorecard

@@ -22,7 +22,7 @@ from data.entropy import unigram_entropy
 from training.study.claims import Claim, used_roles
 from training.study.grid import AtInit, Job, Scale, shallow
 from training.study.measure import UNIGRAM_ENTROPY, at_init, toy_no_norm, train_run
-from training.study.timing import norm_share, op_ratios, step_time_ratios
+from training.study.timing import TIMING_RUNS, norm_share, op_ratios, step_time_ratios
 
 log = logging.getLogger(__name__)
 _WORKER: dict = {}
@@ -140,7 +140,7 @@ def main_process_measurements(claims: tuple[Claim, ...], scale: Scale, data: Tok
     tokens = first_batch(data)
     small = shallow(scale, bias=True)
     wide = shallow(scale, bias=True, dim=scale.wide_dim)
-    rounds = scale.timing_rounds
+    rounds = max(2, scale.timing_rounds // TIMING_RUNS)  # the rounds of one timing run: the total stays the scale's
     try:
         if 20 in numbers:
             timing["qk_step"] = step_time_ratios(replace(small, qk_norm="head"), small, scale, data.vocab_size,

@@ -37,7 +37,10 @@ from training.stats import Estimate, estimate
 from training.study.grid import Arch, Scale
 
 EPS = 1e-5
-TIMING_RUNS = 3  # repetitions of a whole timing measurement; the per-run medians are the judged sample
+# Repetitions of a whole timing measurement; the per-run medians are the judged sample. Six: with fewer, the exact
+# sign-flip test (smallest two-sided p 2/2ⁿ) could never reject at α = 0.05, and the verdict would rest on a
+# t-test with a handful of degrees of freedom alone.
+TIMING_RUNS = 6
 # Autograd nodes of the norm backward passes: the fused C++ RMSNorm on CPU (its C++ autograd function,
 # model/kernels/cpu_rms.cpp), the Triton kernels' (model.kernels.ops._Eager) and ATen's native LayerNorm.
 NORM_BACKWARD_NODES = ("RMSNormFunction", "_EagerBackward", "NativeLayerNormBackward", "RmsNormBackward")

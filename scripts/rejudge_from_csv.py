@@ -25,10 +25,8 @@ import re
 from pathlib import Path
 
 from training.study.claims import CLAIMS, MECHANISM, PRIMARY, SECONDARY, Claim, Test
-from training.study.confirmation import csv_outcome, measurements, runs_results
-from training.study.grid import SCALES, Train
+from training.study.confirmation import csv_outcome, judged_primaries, measurements, runs_results
 from training.study.judge import Outcome, bh_scorecard, combine, judge_tests
-from training.study.statistics import Context
 
 
 def old_verdicts(report: Path) -> dict[str, str]:
@@ -44,17 +42,10 @@ def rejudge(study: Path, extra: list[Path]) -> list[str]:
         csv_values |= measurements(more / "measurements.csv")
         runs |= runs_results(more / "runs.csv") if (more / "runs.csv").is_file() else {}
     old = old_verdicts(study / "report.md")
-    scale = SCALES["default"]
     rows, judged, others = [], [], []
     for claim in CLAIMS:
-        roles = claim.setup(scale)
-        results = {spec: runs[spec.label()] for spec in roles.values()
-                   if isinstance(spec, Train) and spec.label() in runs}
-        ctx = Context(scale, roles, results)
-        outs = [csv_outcome(t, ctx, csv_values) for t in claim.primaries]
-        ready = [o for o in outs if o is not None]
-        judge_tests(ready)
-        judged += [o for o in ready if o.judgement is not None]
+        ctx, outs = judged_primaries(claim, runs, csv_values)
+        judged += [o for o in outs if o is not None and o.judgement is not None]
         rows.append((claim, outs))
         for test in (t for t in claim.tests if t.tier in (SECONDARY, MECHANISM) and t.id in old):
             o = csv_outcome(test, ctx, csv_values)

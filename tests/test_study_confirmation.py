@@ -55,6 +55,20 @@ def test_a_verdict_that_flips_with_the_horizon_is_labelled():
     assert horizon_label("PASS", None) == ""
 
 
+def test_tokens_per_parameter_are_those_of_the_runs_the_primaries_train():
+    """Claim 1's primary reads the long deep run: its tokens over the parameters of a model built for real."""
+    from model import Transformer
+    from training.study.confirmation import tokens_per_parameter
+    from training.study.grid import long_run
+
+    scale = SCALES["default"]
+    run = long_run(scale)
+    params = sum(p.numel() for p in Transformer(run.arch.config(scale, scale.vocab_size)).parameters())
+    ratio = scale.long_steps * scale.batch_size * scale.seq_len / params
+    assert tokens_per_parameter(1) == f"{ratio:.2g}" and tokens_per_parameter(1, horizon=2) == f"{2 * ratio:.2g}"
+    assert tokens_per_parameter(5) == "at init" and tokens_per_parameter(21) == "no training"
+
+
 def test_read_run_refuses_a_directory_without_results(tmp_path):
     with pytest.raises(UserError, match="results.json"):
         read_run(tmp_path)

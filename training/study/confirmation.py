@@ -24,7 +24,7 @@ from pathlib import Path
 
 from training.errors import UserError
 from training.stats import AT_PLATEAU
-from training.study.claims import BY_NUMBER, CLAIMS, Test, specified
+from training.study.claims import BY_NUMBER, CLAIMS, Claim, Test, specified
 from training.study.grid import SCALES, Train
 from training.study.judge import Outcome, bh_scorecard, combine, from_samples, judge_tests, measure, plateau_arms
 from training.study.measure import UNIGRAM_ENTROPY
@@ -80,21 +80,27 @@ def csv_outcome(test: Test, ctx: Context, csv_values: dict) -> Outcome | None:
     return None
 
 
+def judged_primaries(claim: Claim, runs: dict, csv_values: dict) -> tuple[Context, list[Outcome | None]]:
+    """A claim's primaries measured from a study's runs (by label) and CSV values, and judged each alone; None
+    for a primary that reads a run the study did not make."""
+    scale = SCALES["default"]
+    roles = claim.setup(scale)
+    results = {spec: runs[spec.label()] for spec in roles.values() if isinstance(spec, Train) and spec.label() in runs}
+    ctx = Context(scale, roles, results)
+    outs = [csv_outcome(t, ctx, csv_values) for t in claim.primaries]
+    judge_tests([o for o in outs if o is not None])
+    return ctx, outs
+
+
 def judge_csv(study: Path, entropy: float = math.inf) -> dict[int, tuple[str, list[tuple[Test, Outcome | None]]]]:
     """Per claim, the verdict of its current primaries on a committed study's CSVs (AWAITS when a primary reads
     runs the study did not make; AT PLATEAU as `judge_all` gives it, with the corpus's unigram `entropy`), and
     each primary's outcome."""
     runs, csv_values = runs_results(study / "runs.csv", entropy), measurements(study / "measurements.csv")
-    scale = SCALES["default"]
     out, judged = {}, []
     for claim in CLAIMS:
-        roles = claim.setup(scale)
-        results = {spec: runs[spec.label()] for spec in roles.values()
-                   if isinstance(spec, Train) and spec.label() in runs}
-        ctx = Context(scale, roles, results)
-        outs = [csv_outcome(t, ctx, csv_values) for t in claim.primaries]
+        ctx, outs = judged_primaries(claim, runs, csv_values)
         ready = [o for o in outs if o is not None]
-        judge_tests(ready)
         judged += [o for o in ready if o.judgement is not None]
         for o in ready:
             if plateau_arms(ctx, o.test):
@@ -170,9 +176,9 @@ def scorecard(exploratory: Path, confirms: list[Path], horizon: list[Path], entr
     explo, committed = judge_csv(exploratory, entropy), committed_verdicts(exploratory)
     conf = {n: run for path in confirms for n, run in read_run(path).items()}
     hor = {n: run for path in horizon for n, run in read_run(path).items()}
-    lines = ["| claim | evidence of | committed report | primary | exploratory (seeds 0–5; init 0–9), judged now: "
-             "verdict, estimate; specified | confirmatory: verdict, estimate; seeds | horizon ×2 (same seeds) | "
-             "**verdict of record** |", "|---|---|---|---|---|---|---|---|"]
+    lines = ["| claim | evidence of | tokens per parameter | committed report | primary | exploratory (seeds 0–5; "
+             "init 0–9), judged now: verdict, estimate; specified | confirmatory: verdict, estimate; seeds | "
+             "horizon ×2 (same seeds) | **verdict of record** |", "|---|---|---|---|---|---|---|---|---|"]
     for claim in CLAIMS:
         lines += _claim_rows(claim.number, explo[claim.number], committed.get(claim.number, "—"),
                              conf.get(claim.number), hor.get(claim.number))
@@ -186,6 +192,33 @@ def verdict_of_record(exploratory: str, outs: list, confirmatory: dict | None) -
         return confirmatory["verdict"]
     after = any(specified(t.id, EXPLORATORY_SEEDS) == "after" for t, _ in outs)
     return f"{exploratory} (unconfirmed)" if after else exploratory
+
+
+def tokens_per_parameter(number: int, horizon: int = 1) -> str:
+    """The training tokens per model parameter of the runs a claim's primaries read (steps × batch × sequence over
+    the model's parameter count, embeddings included), as a range over those runs; "at init" for a claim whose
+    primaries train nothing; "no training" for one timed in the main process."""
+    import torch
+
+    from model import Transformer
+    from training.study.claims import select, used_roles
+
+    scale = SCALES["default"].longer(horizon)
+    claim = select([number], primaries_only=True)[0]
+    ratios = set()
+    try:
+        roles = used_roles(claim, claim.setup(scale))
+    except ValueError:  # a role measured in the main process (the timing claims' untrained models)
+        return "no training"
+    for spec in roles.values():
+        if isinstance(spec, Train):
+            with torch.device("meta"):
+                params = sum(p.numel() for p in Transformer(spec.arch.config(scale, scale.vocab_size)).parameters())
+            ratios.add(spec.steps * scale.batch_size * scale.seq_len / params)
+    if not ratios:
+        return "at init"
+    lo, hi = min(ratios), max(ratios)
+    return f"{lo:.2g}" if f"{lo:.2g}" == f"{hi:.2g}" else f"{lo:.2g}–{hi:.2g}"
 
 
 def _claim_rows(number: int, explo: tuple, committed: str, c: dict | None, h: dict | None) -> list[str]:
@@ -202,8 +235,12 @@ def _claim_rows(number: int, explo: tuple, committed: str, c: dict | None, h: di
             c_text = f"{c['tests'][test.id]['verdict']}, {_estimate(c['tests'][test.id])}; {_seeds(c['seeds'])}"
         if h is not None and test.id in h["tests"]:
             h_text = f"{h['tests'][test.id]['verdict']}, {_estimate(h['tests'][test.id])}"
-        head = (f"{number}. {claim.title}", claim.evidence, committed, record) if i == 0 else ("",) * 4
-        rows.append(f"| {head[0]} | {head[1]} | {head[2]} | {test.id} | {e_text} | {c_text} | {h_text} | {head[3]} |")
+        tpp = tokens_per_parameter(number)
+        if tpp != "at init" and h is not None:
+            tpp += f" (×2: {tokens_per_parameter(number, 2)})"
+        head = (f"{number}. {claim.title}", claim.evidence, tpp, committed, record) if i == 0 else ("",) * 5
+        rows.append(f"| {head[0]} | {head[1]} | {head[2]} | {head[3]} | {test.id} | {e_text} | {c_text} | {h_text} "
+                    f"| {head[4]} |")
     return rows
 
 

@@ -55,6 +55,21 @@ def test_a_verdict_that_flips_with_the_horizon_is_labelled():
     assert horizon_label("PASS", None) == ""
 
 
+@pytest.mark.parametrize("power", [0.33, 0.9])
+def test_a_confirmatory_verdict_under_half_power_is_marked_uninformative(power):
+    """The scorecard of record carries the report's marker: a PASS at 33% power may exaggerate its effect."""
+    from training.study.confirmation import _claim_rows
+
+    test = BY_NUMBER[6].primaries[0]
+    stat = {"n": 6, "mean": 0.2, "lo": 0.1, "hi": 0.3}
+    confirm = {"verdict": "PASS", "seeds": range(1000, 1006), "horizon": 1,
+               "tests": {test.id: {"verdict": "PASS", "power": power, "a": stat, "b": stat, "diff": stat}}}
+    row = _claim_rows(6, ("INCONCLUSIVE", [(test, None)]), "PASS", confirm, None)[0]
+    record = row.rstrip(" |").rsplit("| ", 1)[1]
+    assert ("uninformative" in record) == (power < 0.5), record
+    assert ("PASS (uninformative), 0.2 [0.1, 0.3]" in row) == (power < 0.5), row
+
+
 def test_tokens_per_parameter_are_those_of_the_runs_the_primaries_train():
     """Claim 1's primary reads the long deep run: its tokens over the parameters of a model built for real."""
     from model import Transformer

@@ -28,6 +28,7 @@ from training.study.claims import BY_NUMBER, CLAIMS, Claim, Test, specified
 from training.study.grid import SCALES, Train
 from training.study.judge import Outcome, bh_scorecard, combine, from_samples, judge_tests, measure, plateau_arms
 from training.study.measure import UNIGRAM_ENTROPY
+from training.study.scorecard import UNINFORMATIVE
 from training.study.statistics import Context
 
 RUN_STATS = ("final_loss", "best_lr_loss", "lr_sensitivity", "loss_gap", "diverged_runs", "lr_reach",
@@ -227,14 +228,21 @@ def _claim_rows(number: int, explo: tuple, committed: str, c: dict | None, h: di
     record = verdict_of_record(verdict, outs, c)
     label = horizon_label(c["verdict"] if c else None, h["verdict"] if h else None)
     record = f"**{record}**" + (f" ({label}: ×2 gives {h['verdict']})" if label else "")
+    powers = [c["tests"][t.id].get("power") for t, _ in outs if t.id in c["tests"]] if c is not None else \
+        [o.power for _, o in outs if o is not None]  # of the tests the verdict of record comes from
+    if any(_low_power(x) for x in powers):
+        record += f" ({UNINFORMATIVE_MARK})"
     rows = []
     for i, (test, o) in enumerate(outs):
-        e_text = ("—" if o is None else f"{o.verdict}, {_ci(o)}") + f"; {specified_text(test, EXPLORATORY_SEEDS)}"
+        e_text = ("—" if o is None else f"{o.verdict}{_mark(o.power)}, {_ci(o)}") + \
+            f"; {specified_text(test, EXPLORATORY_SEEDS)}"
         c_text = h_text = "—"
         if c is not None and test.id in c["tests"]:
-            c_text = f"{c['tests'][test.id]['verdict']}, {_estimate(c['tests'][test.id])}; {_seeds(c['seeds'])}"
+            ct = c["tests"][test.id]
+            c_text = f"{ct['verdict']}{_mark(ct.get('power'))}, {_estimate(ct)}; {_seeds(c['seeds'])}"
         if h is not None and test.id in h["tests"]:
-            h_text = f"{h['tests'][test.id]['verdict']}, {_estimate(h['tests'][test.id])}"
+            ht = h["tests"][test.id]
+            h_text = f"{ht['verdict']}{_mark(ht.get('power'))}, {_estimate(ht)}"
         tpp = tokens_per_parameter(number)
         if tpp != "at init" and h is not None:
             tpp += f" (×2: {tokens_per_parameter(number, 2)})"
@@ -242,6 +250,18 @@ def _claim_rows(number: int, explo: tuple, committed: str, c: dict | None, h: di
         rows.append(f"| {head[0]} | {head[1]} | {head[2]} | {head[3]} | {test.id} | {e_text} | {c_text} | {h_text} "
                     f"| {head[4]} |")
     return rows
+
+
+UNINFORMATIVE_MARK = "uninformative"
+
+
+def _low_power(power: float | None) -> bool:
+    return power is not None and math.isfinite(power) and power < UNINFORMATIVE
+
+
+def _mark(power: float | None) -> str:
+    """" (uninformative)" after a verdict whose test had under 50% power at its margin."""
+    return f" ({UNINFORMATIVE_MARK})" if _low_power(power) else ""
 
 
 def _ci(o: Outcome) -> str:
@@ -286,4 +306,7 @@ SCORECARD_INTRO = (
     "data); a verdict that differs between the two horizons is marked **horizon-dependent**. AT PLATEAU: an arm "
     "of the test ends on the unigram plateau (≥ 80% of its seeds within 0.05 nats of the corpus's unigram "
     "entropy): the statistic measures the plateau, not the claim. Estimates are paired differences a − b (or one "
-    "arm's statistic) with 95% t-intervals; the confirmatory runs' own reports give every p, q, power and seed.")
+    "arm's statistic) with 95% t-intervals; the confirmatory runs' own reports give every p, q, power and seed. "
+    "'uninformative': the test had under 50% power at its margin (a PASS there may exaggerate the effect). Tokens "
+    "per parameter: those of the runs the claim's primaries train (steps × batch × sequence over the model's "
+    "parameters).")

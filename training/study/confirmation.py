@@ -232,6 +232,9 @@ def _claim_rows(number: int, explo: tuple, committed: str, c: dict | None, h: di
         [o.power for _, o in outs if o is not None]  # of the tests the verdict of record comes from
     if any(_low_power(x) for x in powers):
         record += f" ({UNINFORMATIVE_MARK})"
+    tpp = tokens_per_parameter(number)  # once per claim: it builds the models (on the meta device)
+    if tpp != "at init" and h is not None:
+        tpp += f" (×2: {tokens_per_parameter(number, 2)})"
     rows = []
     for i, (test, o) in enumerate(outs):
         e_text = ("—" if o is None else f"{o.verdict}{_mark(o.power)}, {_ci(o)}") + \
@@ -243,9 +246,6 @@ def _claim_rows(number: int, explo: tuple, committed: str, c: dict | None, h: di
         if h is not None and test.id in h["tests"]:
             ht = h["tests"][test.id]
             h_text = f"{ht['verdict']}{_mark(ht.get('power'))}, {_estimate(ht)}"
-        tpp = tokens_per_parameter(number)
-        if tpp != "at init" and h is not None:
-            tpp += f" (×2: {tokens_per_parameter(number, 2)})"
         head = (f"{number}. {claim.title}", claim.evidence, tpp, committed, record) if i == 0 else ("",) * 5
         rows.append(f"| {head[0]} | {head[1]} | {head[2]} | {head[3]} | {test.id} | {e_text} | {c_text} | {h_text} "
                     f"| {head[4]} |")

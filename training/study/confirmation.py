@@ -28,7 +28,7 @@ from training.study.claims import BY_NUMBER, CLAIMS, Claim, Test, specified
 from training.study.grid import SCALES, Train
 from training.study.judge import Outcome, bh_scorecard, combine, from_samples, judge_tests, measure, plateau_arms
 from training.study.measure import UNIGRAM_ENTROPY
-from training.study.scorecard import UNINFORMATIVE
+from training.study.scorecard import low_power
 from training.study.statistics import Context
 
 RUN_STATS = ("final_loss", "best_lr_loss", "lr_sensitivity", "loss_gap", "diverged_runs", "lr_reach",
@@ -230,7 +230,7 @@ def _claim_rows(number: int, explo: tuple, committed: str, c: dict | None, h: di
     record = f"**{record}**" + (f" ({label}: ×2 gives {h['verdict']})" if label else "")
     powers = [c["tests"][t.id].get("power") for t, _ in outs if t.id in c["tests"]] if c is not None else \
         [o.power for _, o in outs if o is not None]  # of the tests the verdict of record comes from
-    if any(_low_power(x) for x in powers):
+    if any(low_power(x) for x in powers):
         record += f" ({UNINFORMATIVE_MARK})"
     tpp = tokens_per_parameter(number)  # once per claim: it builds the models (on the meta device)
     if tpp != "at init" and h is not None:
@@ -255,13 +255,9 @@ def _claim_rows(number: int, explo: tuple, committed: str, c: dict | None, h: di
 UNINFORMATIVE_MARK = "uninformative"
 
 
-def _low_power(power: float | None) -> bool:
-    return power is not None and math.isfinite(power) and power < UNINFORMATIVE
-
-
 def _mark(power: float | None) -> str:
     """" (uninformative)" after a verdict whose test had under 50% power at its margin."""
-    return f" ({UNINFORMATIVE_MARK})" if _low_power(power) else ""
+    return f" ({UNINFORMATIVE_MARK})" if low_power(power) else ""
 
 
 def _ci(o: Outcome) -> str:

@@ -32,8 +32,13 @@ def deciding_null(o: Outcome) -> str | None:
     return "equivalence" if o.verdict == EQUIVALENT else "difference"
 
 
+def low_power(power: float | None) -> bool:
+    """Under UNINFORMATIVE power at the margin (None or NaN: no power was computed, so not low)."""
+    return power is not None and math.isfinite(power) and power < UNINFORMATIVE
+
+
 def uninformative(o: Outcome) -> bool:
-    return math.isfinite(o.power) and o.power < UNINFORMATIVE
+    return low_power(o.power)
 
 
 def power_cell(o: Outcome) -> str:

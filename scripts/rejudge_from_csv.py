@@ -12,6 +12,7 @@ current claims is measured, where possible, with the study's own code (`training
 - other statistics (probes, timings) reuse measurements.csv's per-seed values, when the test's statistic and
   roles are unchanged;
 - a primary that needs a run the study did not make is listed as awaiting the next run.
+- the plateau rule reads the outcome runs.csv records for each run ('plateau'), so AT PLATEAU is kept.
 
 It prints a Markdown table: per claim, the committed report's verdict (read from `report.md`) beside the
 verdict under the current rules, the estimate and the p-values (t-test and sign-flip, within the claim's own
@@ -25,14 +26,14 @@ import re
 from pathlib import Path
 
 from training.study.claims import CLAIMS, MECHANISM, PRIMARY, SECONDARY, Claim, Test
-from training.study.confirmation import csv_outcome, judged_primaries, measurements, runs_results
-from training.study.judge import Outcome, bh_scorecard, combine, judge_tests
+from training.study.confirmation import csv_outcome, judged_primaries, mark_plateau, measurements, runs_results
+from training.study.judge import AT_PLATEAU, Outcome, bh_scorecard, combine, judge_tests
 
 
 def old_verdicts(report: Path) -> dict[str, str]:
     """Per test id, the verdict the committed report gave."""
     # a claim section's row; the flags sat inside the bold in v3 (**PASS †**), after it now (**PASS** † ‡)
-    row = r"^\| (\w+): .*? \| \w[\w ]* \| [^|]* \| \*\*(\w+)(?: †)?\*\*(?: [†‡])* \|"
+    row = r"^\| (\w+): .*? \| \w[\w ]* \| [^|]* \| \*\*(\w[\w ]*?)(?: †)?\*\*(?: [†‡])* \|"
     return dict(re.findall(row, report.read_text(), flags=re.M))
 
 
@@ -46,11 +47,13 @@ def rejudge(study: Path, extra: list[Path]) -> list[str]:
     for claim in CLAIMS:
         ctx, outs = judged_primaries(claim, runs, csv_values)
         judged += [o for o in outs if o is not None and o.judgement is not None]
+        mark_plateau(ctx, [o for o in outs if o is not None])
         rows.append((claim, outs))
         for test in (t for t in claim.tests if t.tier in (SECONDARY, MECHANISM) and t.id in old):
             o = csv_outcome(test, ctx, csv_values)
             if o is not None:
                 judge_tests([o])
+                mark_plateau(ctx, [o])
             if o is None or o.verdict != old[test.id]:
                 others.append((test, o, old[test.id]))
     bh_scorecard(judged)
@@ -71,7 +74,9 @@ def rejudge(study: Path, extra: list[Path]) -> list[str]:
 def _rows(claim: Claim, outs: list[Outcome | None], old: dict[str, str]) -> list[str]:
     shown = [t for t in claim.primaries if t.id in old] or [t for t in _v3_primary(claim) if t.id in old]
     was = f"{shown[0].id} {old[shown[0].id]}" if shown else "—"
-    now = "awaits the next run" if any(o is None for o in outs) else combine([o.verdict for o in outs])
+    verdicts = [o.verdict for o in outs if o is not None]
+    now = "awaits the next run" if len(verdicts) < len(outs) else \
+        AT_PLATEAU if AT_PLATEAU in verdicts else combine(verdicts)
     lines = []
     for i, (test, o) in enumerate(zip(claim.primaries, outs, strict=True)):
         head = (f"{claim.number} | {was}", f"**{now}**") if i == 0 else (" | ", "")

@@ -43,13 +43,15 @@ def _float(text: str) -> float:
 def runs_results(path: Path, entropy: float = math.inf) -> dict[str, list[dict]]:
     """Per configuration label of a study's runs.csv, its runs in seed order as the study's statistics read them.
     runs.csv holds no unigram entropy: give the study corpus's (`data.entropy.unigram_entropy`) for the plateau
-    rule, or leave it +inf (no run reads as on the plateau; the run statistics read only whether a run
-    diverged, which the entropy plays no part in)."""
+    rule, or leave it +inf to keep the outcome the study recorded: a run runs.csv marks 'plateau' gets its own
+    held-out loss as the entropy (so the plateau rule reads it as on the plateau), every other run +inf."""
     out: dict[str, dict[int, dict]] = {}
     for row in csv.DictReader(path.open()):
+        loss = _float(row["held_out_loss"])
+        recorded = loss if row["outcome"] == "plateau" and not math.isfinite(entropy) else entropy
         out.setdefault(row["configuration"], {})[int(row["seed"])] = {
-            "val_loss": _float(row["held_out_loss"]), "losses": [_float(row["initial_loss"])],
-            "diverged_at": 0 if row["outcome"] == "diverged" else None, "probes": {}, UNIGRAM_ENTROPY: entropy}
+            "val_loss": loss, "losses": [_float(row["initial_loss"])],
+            "diverged_at": 0 if row["outcome"] == "diverged" else None, "probes": {}, UNIGRAM_ENTROPY: recorded}
     return {label: [runs[s] for s in sorted(runs)] for label, runs in out.items()}
 
 
@@ -103,9 +105,7 @@ def judge_csv(study: Path, entropy: float = math.inf) -> dict[int, tuple[str, li
         ctx, outs = judged_primaries(claim, runs, csv_values)
         ready = [o for o in outs if o is not None]
         judged += [o for o in ready if o.judgement is not None]
-        for o in ready:
-            if plateau_arms(ctx, o.test):
-                o.verdict = o.verdict_perm = AT_PLATEAU
+        mark_plateau(ctx, ready)
         verdicts = [o.verdict for o in ready]
         verdict = AWAITS if any(o is None for o in outs) else \
             AT_PLATEAU if AT_PLATEAU in verdicts else combine(verdicts)
@@ -115,6 +115,13 @@ def judge_csv(study: Path, entropy: float = math.inf) -> dict[int, tuple[str, li
 
 
 AWAITS = "awaits a run"
+
+
+def mark_plateau(ctx, outcomes: list[Outcome]) -> None:
+    """The plateau rule on outcomes judged from the CSVs: a test with an arm on the plateau reads AT PLATEAU."""
+    for o in outcomes:
+        if plateau_arms(ctx, o.test):
+            o.verdict = o.verdict_perm = AT_PLATEAU
 
 
 def read_run(path: Path) -> dict[int, dict]:

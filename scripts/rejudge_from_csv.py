@@ -26,8 +26,8 @@ import re
 from pathlib import Path
 
 from training.study.claims import CLAIMS, MECHANISM, PRIMARY, SECONDARY, Claim, Test
-from training.study.confirmation import csv_outcome, judged_primaries, mark_plateau, measurements, runs_results
-from training.study.judge import AT_PLATEAU, Outcome, bh_scorecard, combine, judge_tests
+from training.study.confirmation import csv_outcome, judged_primaries, measurements, runs_results
+from training.study.judge import Outcome, bh_scorecard, combine, judge_tests, mark_plateau
 
 
 def old_verdicts(report: Path) -> dict[str, str]:
@@ -47,8 +47,7 @@ def rejudge(study: Path, extra: list[Path]) -> list[str]:
     for claim in CLAIMS:
         ctx, outs = judged_primaries(claim, runs, csv_values)
         judged += [o for o in outs if o is not None and o.judgement is not None]
-        mark_plateau(ctx, [o for o in outs if o is not None])
-        rows.append((claim, outs))
+        rows.append((claim, ctx, outs))
         for test in (t for t in claim.tests if t.tier in (SECONDARY, MECHANISM) and t.id in old):
             o = csv_outcome(test, ctx, csv_values)
             if o is not None:
@@ -57,9 +56,11 @@ def rejudge(study: Path, extra: list[Path]) -> list[str]:
             if o is None or o.verdict != old[test.id]:
                 others.append((test, o, old[test.id]))
     bh_scorecard(judged)
+    for _, ctx, outs in rows:  # after the q-values, as in the study's own judging
+        mark_plateau(ctx, [o for o in outs if o is not None])
     lines = ["| claim | committed report | primary now | estimate [95% CI] | p: t / sign-flip | verdict now | "
              "q (BH), verdict at FDR 5% |", "|---|---|---|---|---|---|---|"]
-    for claim, outs in rows:
+    for claim, _, outs in rows:
         lines += _rows(claim, outs, old)
     lines += ["", "Secondary tests and mechanism checks whose verdict changed (or not judged from the CSVs):",
               "", "| test | committed | now | estimate [95% CI] |", "|---|---|---|---|"]
@@ -75,8 +76,7 @@ def _rows(claim: Claim, outs: list[Outcome | None], old: dict[str, str]) -> list
     shown = [t for t in claim.primaries if t.id in old] or [t for t in _v3_primary(claim) if t.id in old]
     was = f"{shown[0].id} {old[shown[0].id]}" if shown else "—"
     verdicts = [o.verdict for o in outs if o is not None]
-    now = "awaits the next run" if len(verdicts) < len(outs) else \
-        AT_PLATEAU if AT_PLATEAU in verdicts else combine(verdicts)
+    now = "awaits the next run" if len(verdicts) < len(outs) else combine(verdicts)
     lines = []
     for i, (test, o) in enumerate(zip(claim.primaries, outs, strict=True)):
         head = (f"{claim.number} | {was}", f"**{now}**") if i == 0 else (" | ", "")

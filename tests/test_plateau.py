@@ -110,3 +110,13 @@ def test_an_arm_on_the_plateau_is_judged_at_plateau():
     claim, ctx = _claim12([H - 0.1 + e for e in offsets], four)
     ((verdict, outs),) = judge_all([claim], [ctx])
     assert plateau_arms(ctx, claim.primary) == [] and verdict != AT_PLATEAU and outs[0].verdict != AT_PLATEAU
+
+
+def test_a_claim_with_one_primary_at_the_plateau_is_at_plateau():
+    """A claim's verdict over several primaries: one on the plateau makes the claim AT PLATEAU, whatever the others
+    say (a PASS beside it, or a FAIL), as the study's judging and the CSV re-judging both read it."""
+    from training.stats import FAIL
+    from training.study.judge import combine
+
+    assert combine([PASS, AT_PLATEAU]) == combine([AT_PLATEAU, FAIL]) == AT_PLATEAU
+    assert combine([PASS, PASS]) == PASS and combine([PASS, FAIL]) == FAIL

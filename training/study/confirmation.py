@@ -23,10 +23,9 @@ import re
 from pathlib import Path
 
 from training.errors import UserError
-from training.stats import AT_PLATEAU
 from training.study.claims import BY_NUMBER, CLAIMS, Claim, Test, specified
 from training.study.grid import SCALES, Train
-from training.study.judge import Outcome, bh_scorecard, combine, from_samples, judge_tests, measure, plateau_arms
+from training.study.judge import Outcome, bh_scorecard, combine, from_samples, judge_tests, mark_plateau, measure
 from training.study.measure import UNIGRAM_ENTROPY
 from training.study.scorecard import low_power
 from training.study.statistics import Context
@@ -100,28 +99,22 @@ def judge_csv(study: Path, entropy: float = math.inf) -> dict[int, tuple[str, li
     runs the study did not make; AT PLATEAU as `judge_all` gives it, with the corpus's unigram `entropy`), and
     each primary's outcome."""
     runs, csv_values = runs_results(study / "runs.csv", entropy), measurements(study / "measurements.csv")
-    out, judged = {}, []
+    rows, judged = [], []
     for claim in CLAIMS:
         ctx, outs = judged_primaries(claim, runs, csv_values)
-        ready = [o for o in outs if o is not None]
-        judged += [o for o in ready if o.judgement is not None]
-        mark_plateau(ctx, ready)
-        verdicts = [o.verdict for o in ready]
-        verdict = AWAITS if any(o is None for o in outs) else \
-            AT_PLATEAU if AT_PLATEAU in verdicts else combine(verdicts)
-        out[claim.number] = (verdict, list(zip(claim.primaries, outs, strict=True)))
+        judged += [o for o in outs if o is not None and o.judgement is not None]
+        rows.append((claim, ctx, outs))
     bh_scorecard(judged)
+    out = {}
+    for claim, ctx, outs in rows:
+        ready = [o for o in outs if o is not None]
+        mark_plateau(ctx, ready)
+        verdict = AWAITS if len(ready) < len(outs) else combine([o.verdict for o in ready])
+        out[claim.number] = (verdict, list(zip(claim.primaries, outs, strict=True)))
     return out
 
 
 AWAITS = "awaits a run"
-
-
-def mark_plateau(ctx, outcomes: list[Outcome]) -> None:
-    """The plateau rule on outcomes judged from the CSVs: a test with an arm on the plateau reads AT PLATEAU."""
-    for o in outcomes:
-        if plateau_arms(ctx, o.test):
-            o.verdict = o.verdict_perm = AT_PLATEAU
 
 
 def read_run(path: Path) -> dict[int, dict]:

@@ -176,8 +176,10 @@ def decide(test: Test, verdict: str) -> str:
 
 
 def combine(verdicts: Sequence[str]) -> str:
-    """A claim's verdict from its primaries': PASS when all pass, FAIL when any fails, EQUIVALENT when all are,
-    else INCONCLUSIVE (one primary: its own)."""
+    """A claim's verdict from its primaries': AT PLATEAU when any is on the plateau, PASS when all pass, FAIL when
+    any fails, EQUIVALENT when all are, else INCONCLUSIVE (one primary: its own)."""
+    if AT_PLATEAU in verdicts:
+        return AT_PLATEAU
     if all(v == verdicts[0] for v in verdicts):
         return verdicts[0]
     return FAIL if FAIL in verdicts else INCONCLUSIVE
@@ -224,12 +226,17 @@ def judge_all(claims: Sequence[Claim], contexts: Sequence[Context]) -> list[tupl
         for o in first:
             if o.test.kind == "exact":
                 o.verdict_bh = o.verdict
-        for o in outs:
-            if o.test.tier != REPORT and plateau_arms(ctx, o.test):
-                o.verdict = o.verdict_perm = o.verdict_bh = AT_PLATEAU
-        verdicts = [o.verdict for o in first]
-        judged.append((AT_PLATEAU if AT_PLATEAU in verdicts else combine(verdicts), outs))
+        mark_plateau(ctx, [o for o in outs if o.test.tier != REPORT])
+        judged.append((combine([o.verdict for o in first]), outs))
     return judged
+
+
+def mark_plateau(ctx: Context, outcomes: Sequence[Outcome]) -> None:
+    """The plateau rule on judged outcomes (after `bh_scorecard`): a test with an arm on the plateau
+    (`plateau_arms`) reads AT PLATEAU in every verdict."""
+    for o in outcomes:
+        if plateau_arms(ctx, o.test):
+            o.verdict = o.verdict_perm = o.verdict_bh = AT_PLATEAU
 
 
 def plateau_arms(ctx: Context, test: Test) -> list[str]:

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from model import ModelConfig, Transformer
 from training.cli import main as normlab
-from training.study import main
+from training.study import main, timing
 from training.study.claims import CLAIMS
 from training.study.cli import load_measurements
 from training.study.grid import SCALES, shallow
@@ -31,7 +31,14 @@ from training.study.measure import (
     toy_no_norm,
     val_loss,
 )
-from training.study.timing import NORM_BACKWARD_NODES, PAIRS, fused_rms_available, op_ratios, step_time_ratios
+from training.study.timing import (
+    NORM_BACKWARD_NODES,
+    PAIRS,
+    fused_rms_available,
+    norm_time_ratios,
+    op_ratios,
+    step_time_ratios,
+)
 
 
 def test_toy_reproduces_the_published_numbers():
@@ -114,7 +121,7 @@ def test_block_ablation_input_scaling_and_dimension_spread_against_a_hand_run_fo
     assert dim_spread(model, val[0]) == pytest.approx(math.log(per_dim.max() / per_dim.median()), rel=1e-6)
 
 
-def test_claim_21_times_like_for_like_pairs_of_the_same_math():
+def test_claim_21_times_like_for_like_pairs_of_the_same_math(monkeypatch):
     """Each timed pair computes RMSNorm and LayerNorm (against float64 formulas), the "fused" pair's RMSNorm is
     normlab's fused C++ kernel (its own autograd node, not a composite's), and every pair is timed."""
     torch.manual_seed(0)
@@ -128,13 +135,24 @@ def test_claim_21_times_like_for_like_pairs_of_the_same_math():
     assert fused_rms_available()  # CI has a C++ compiler: the fused pair is measured
     fused = PAIRS["fused"][0](x.requires_grad_(), w, b)
     node = fused.grad_fn.name()  # model/kernels/cpu_rms.cpp's autograd function, not a composite's Mul ...
-    assert "RMSNormFunction" in node and any(n in node for n in NORM_BACKWARD_NODES), node  # ... that norm_share counts
+    assert "RMSNormFunction" in node and any(n in node for n in NORM_BACKWARD_NODES), node  # ... that norm time counts
     ratios = op_ratios((2, 8, 32), rounds=2, repeats=1, runs=1)  # one median per timing run
     assert set(ratios) == set(PAIRS) and all(len(v) == 1 and all(r > 0 for r in v) for v in ratios.values())
     scale = SCALES["quick"]
     step = step_time_ratios(shallow(scale, qk_norm="head"), shallow(scale), scale, 64, torch.randint(0, 64, (2, 9)),
                             rounds=2, steps=1, runs=1)
     assert len(step) == 1 and all(r > 0 for r in step)
+    # the in-step norm time (claims 21a/b): one median ratio per timing run, and a share for every judged round;
+    # which model is profiled first changes from round to round (round_orders), not always RMSNorm's
+    profiled, step_of = [], timing._NormProfile.step
+    monkeypatch.setattr(timing._NormProfile, "step", lambda self: profiled.append(self.arch.norm) or step_of(self))
+    times, shares = norm_time_ratios(shallow(scale, bias=True), scale, 64, torch.randint(0, 64, (2, 9)), rounds=2,
+                                     runs=3)
+    assert len(times) == 3 and all(r > 0 for r in times)
+    assert {k: len(v) for k, v in shares.items()} == {"rmsnorm": 6, "layernorm": 6}
+    assert all(0 < s < 1 for v in shares.values() for s in v)
+    firsts = profiled[::2]  # per round (a warm-up and two judged rounds per run), the model profiled first
+    assert len(profiled) == 18 and {"rmsnorm", "layernorm"} == set(firsts[1:3]) == set(firsts[4:6])
 
 
 @pytest.mark.parametrize("losses, diverged_at, expected", [

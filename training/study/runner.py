@@ -22,7 +22,7 @@ from data.entropy import unigram_entropy
 from training.study.claims import Claim, used_roles
 from training.study.grid import AtInit, Job, Scale, shallow
 from training.study.measure import UNIGRAM_ENTROPY, at_init, toy_no_norm, train_run
-from training.study.timing import TIMING_RUNS, norm_share, op_ratios, step_time_ratios
+from training.study.timing import TIMING_RUNS, norm_time_ratios, op_ratios, step_time_ratios
 
 log = logging.getLogger(__name__)
 _WORKER: dict = {}
@@ -155,12 +155,8 @@ def main_process_measurements(claims: tuple[Claim, ...], scale: Scale, data: Tok
             extra["op_shape"] = big
             share: dict[str, list[float]] = {}
             for name, arch in (("", small), ("_wide", wide)):
-                seconds = {}
-                for norm in ("rmsnorm", "layernorm"):
-                    share[norm + name], seconds[norm] = norm_share(replace(arch, norm=norm), scale, data.vocab_size,
-                                                                   tokens)
-                timing["norm_time" + name] = [r / l for r, l in zip(seconds["rmsnorm"], seconds["layernorm"],
-                                                                    strict=True)]
+                timing["norm_time" + name], shares = norm_time_ratios(arch, scale, data.vocab_size, tokens, rounds)
+                share |= {norm + name: values for norm, values in shares.items()}
             extra["norm_share"] = share
     finally:
         torch.set_num_threads(threads)

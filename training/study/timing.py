@@ -25,6 +25,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import replace
 from functools import partial
 
 import torch
@@ -141,51 +142,79 @@ def _native_stderr_silenced() -> Iterator[None]:
         os.close(saved)
 
 
-def norm_share(arch: Arch, scale: Scale, vocab_size: int, tokens: torch.Tensor,
-               steps: int = 5) -> tuple[list[float], list[float]]:
-    """Per profiled training step of `arch`, the norms' share of its CPU time and their time in seconds:
-    forward norm calls (marked with a profiler range by module hooks) plus their backward autograd nodes, over
-    the step's range."""
-    torch.manual_seed(0)
-    model = Transformer(arch.config(scale, vocab_size))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    ranges: list = []
+class _NormProfile:
+    """A freshly built model of `arch` (seed 0) with its optimizer, whose norm calls carry a profiler range (module
+    hooks); `step()` profiles one training step on `tokens`."""
 
-    def enter(module, args, kwargs=None):
-        ranges.append(torch.autograd.profiler.record_function("study::norm_forward"))
-        ranges[-1].__enter__()
+    def __init__(self, arch: Arch, scale: Scale, vocab_size: int, tokens: torch.Tensor) -> None:
+        torch.manual_seed(0)
+        self.arch = arch
+        self.model = Transformer(arch.config(scale, vocab_size))
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
+        self.tokens = tokens
+        ranges: list = []
 
-    def leave(module, args, out):
-        ranges.pop().__exit__(None, None, None)
+        def enter(module, args):
+            ranges.append(torch.autograd.profiler.record_function("study::norm_forward"))
+            ranges[-1].__enter__()
 
-    norms = [m for m in model.modules() if isinstance(m, Norm)]
-    handles = [h for m in norms for h in (m.register_forward_pre_hook(enter), m.register_forward_hook(leave))]
+        def leave(module, args, out):
+            ranges.pop().__exit__(None, None, None)
 
-    def step() -> None:
-        model(tokens[:, :-1], targets=tokens[:, 1:]).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        norms = [m for m in self.model.modules() if isinstance(m, Norm)]
+        self.handles = [h for m in norms for h in (m.register_forward_pre_hook(enter), m.register_forward_hook(leave))]
 
-    step()  # warm-up outside the profile
-    shares, seconds = [], []
-    try:
-        for _ in range(steps):
-            with _native_stderr_silenced(), torch.profiler.profile(
-                    activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-                with torch.autograd.profiler.record_function("study::step"):
-                    step()
-            events = prof.events()
-            total = sum(e.cpu_time_total for e in events if e.name == "study::step")
-            fwd = sum(e.cpu_time_total for e in events if e.name == "study::norm_forward")
-            bwd = sum(e.cpu_time_total for e in events
-                      if e.name.startswith("autograd::engine::evaluate_function")
-                      and any(n in e.name for n in NORM_BACKWARD_NODES))
-            shares.append((fwd + bwd) / total)
-            seconds.append((fwd + bwd) / 1e6)
-    finally:
-        for h in handles:
+    def train_step(self) -> None:
+        self.model(self.tokens[:, :-1], targets=self.tokens[:, 1:]).backward()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+
+    def step(self) -> tuple[float, float]:
+        """One profiled training step: the norms' share of its CPU time and their time in seconds (forward norm
+        calls plus their backward autograd nodes, over the step's range)."""
+        cpu = [torch.profiler.ProfilerActivity.CPU]
+        with _native_stderr_silenced(), torch.profiler.profile(activities=cpu) as prof:
+            with torch.autograd.profiler.record_function("study::step"):
+                self.train_step()
+        events = prof.events()
+        total = sum(e.cpu_time_total for e in events if e.name == "study::step")
+        fwd = sum(e.cpu_time_total for e in events if e.name == "study::norm_forward")
+        bwd = sum(e.cpu_time_total for e in events
+                  if e.name.startswith("autograd::engine::evaluate_function")
+                  and any(n in e.name for n in NORM_BACKWARD_NODES))
+        return (fwd + bwd) / total, (fwd + bwd) / 1e6
+
+    def close(self) -> None:
+        for h in self.handles:
             h.remove()
-    return shares, seconds
+
+
+def norm_time_ratios(arch: Arch, scale: Scale, vocab_size: int, tokens: torch.Tensor, rounds: int,
+                     runs: int = TIMING_RUNS, seed: int = 0) -> tuple[list[float], dict[str, list[float]]]:
+    """Claim 21's in-step measurement, timed like the others: per timing run (`runs` of them, each with freshly
+    built RMSNorm and LayerNorm models of `arch`, a warm-up round and `rounds` rounds in `round_orders`, one
+    profiled training step of each model per round), the median over its rounds of the norms' time per step,
+    RMSNorm model / LayerNorm model. Also the norms' share of every judged profiled step, per norm."""
+    medians: list[float] = []
+    shares: dict[str, list[float]] = {"rmsnorm": [], "layernorm": []}
+    for run in range(runs):
+        profiles = {norm: _NormProfile(replace(arch, norm=norm), scale, vocab_size, tokens) for norm in shares}
+        try:
+            for p in profiles.values():
+                p.train_step()  # outside any profile: the first step allocates the optimizer's state
+            ratios = []
+            for r, rms_first in enumerate([True, *round_orders(rounds, seed * 1000 + run)]):  # round 0 warms up
+                got = {norm: profiles[norm].step()
+                       for norm in (("rmsnorm", "layernorm") if rms_first else ("layernorm", "rmsnorm"))}
+                if r:
+                    ratios.append(got["rmsnorm"][1] / got["layernorm"][1])
+                    for norm, (share, _) in got.items():
+                        shares[norm].append(share)
+            medians.append(statistics.median(ratios))
+        finally:
+            for p in profiles.values():
+                p.close()
+    return medians, shares
 
 
 def step_time_ratios(arch_a: Arch, arch_b: Arch, scale: Scale, vocab_size: int, tokens: torch.Tensor, rounds: int,

@@ -147,12 +147,12 @@ def test_claim_21_times_like_for_like_pairs_of_the_same_math(monkeypatch):
     profiled, step_of = [], timing._NormProfile.step
     monkeypatch.setattr(timing._NormProfile, "step", lambda self: profiled.append(self.arch.norm) or step_of(self))
     times, shares = norm_time_ratios(shallow(scale, bias=True), scale, 64, torch.randint(0, 64, (2, 9)), rounds=2,
-                                     runs=2)
-    assert len(times) == 2 and all(r > 0 for r in times)
-    assert {k: len(v) for k, v in shares.items()} == {"rmsnorm": 4, "layernorm": 4}
+                                     runs=1)
+    assert len(times) == 1 and all(r > 0 for r in times)
+    assert {k: len(v) for k, v in shares.items()} == {"rmsnorm": 2, "layernorm": 2}
     assert all(0 < s < 1 for v in shares.values() for s in v)
-    firsts = profiled[::2]  # per round (a warm-up and two judged rounds per run), the model profiled first
-    assert len(profiled) == 12 and {"rmsnorm", "layernorm"} == set(firsts[1:3]) == set(firsts[4:6])
+    firsts = profiled[::2]  # per round (a warm-up and two judged rounds), the model profiled first
+    assert len(profiled) == 6 and {"rmsnorm", "layernorm"} == set(firsts[1:])
 
 
 @pytest.mark.parametrize("losses, diverged_at, expected", [

@@ -22,7 +22,7 @@ from data.entropy import unigram_entropy
 from training.study.claims import Claim, used_roles
 from training.study.grid import AtInit, Job, Scale, shallow
 from training.study.measure import UNIGRAM_ENTROPY, at_init, toy_no_norm, train_run
-from training.study.timing import TIMING_RUNS, norm_time_ratios, op_ratios, step_time_ratios
+from training.study.timing import norm_time_ratios, op_ratios, step_time_ratios
 
 log = logging.getLogger(__name__)
 _WORKER: dict = {}
@@ -140,22 +140,24 @@ def main_process_measurements(claims: tuple[Claim, ...], scale: Scale, data: Tok
     tokens = first_batch(data)
     small = shallow(scale, bias=True)
     wide = shallow(scale, bias=True, dim=scale.wide_dim)
-    rounds = max(2, scale.timing_rounds // TIMING_RUNS)  # the rounds of one timing run: the total stays the scale's
+    runs = scale.timing_runs
+    rounds = max(2, scale.timing_rounds // runs)  # the rounds of one timing run: the total stays the scale's
     try:
         if 20 in numbers:
             timing["qk_step"] = step_time_ratios(replace(small, qk_norm="head"), small, scale, data.vocab_size,
-                                                 tokens, rounds)
+                                                 tokens, rounds, runs)
             timing["qk_step_wide"] = step_time_ratios(replace(wide, qk_norm="head"), wide, scale, data.vocab_size,
-                                                      tokens, max(2, rounds // 3))
+                                                      tokens, max(2, rounds // 3), runs)
         if 21 in numbers:
             big = (8, 512, 768) if scale.dim >= 64 else (4, 64, 128)
-            timing |= op_ratios(big, rounds)
-            timing["fused_small"] = op_ratios((scale.batch_size, scale.seq_len, scale.dim), rounds).get(
+            timing |= op_ratios(big, rounds, runs)
+            timing["fused_small"] = op_ratios((scale.batch_size, scale.seq_len, scale.dim), rounds, runs).get(
                 "fused", [math.nan])
             extra["op_shape"] = big
             share: dict[str, list[float]] = {}
             for name, arch in (("", small), ("_wide", wide)):
-                timing["norm_time" + name], shares = norm_time_ratios(arch, scale, data.vocab_size, tokens, rounds)
+                timing["norm_time" + name], shares = norm_time_ratios(arch, scale, data.vocab_size, tokens, rounds,
+                                                                      runs)
                 share |= {norm + name: values for norm, values in shares.items()}
             extra["norm_share"] = share
     finally:

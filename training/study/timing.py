@@ -10,7 +10,7 @@ timed too, against `F.layer_norm`, for context only: in torch 2.13 it is not fus
 pow / mean / rsqrt / mul), so that ratio is a statement about ATen's CPU kernels, not about the algorithms.
 Each round times both candidates and gives one ratio; which candidate goes first in a round is a seeded
 shuffle, balanced within the run, so neither order nor a drift in load favours one. A run is the whole
-measurement (fresh inputs or models, a warm-up round, then the rounds), repeated `TIMING_RUNS` times: the rounds
+measurement (fresh inputs or models, a warm-up round, then the rounds), repeated `Scale.timing_runs` times: the rounds
 of one run share its machine state (caches, frequency, neighbours' load), so their spread understates how much a
 repeated measurement moves; the judged sample is the per-run medians (`run_medians`), whose interval is the
 between-run one (`between_run_estimate`).
@@ -38,10 +38,6 @@ from training.stats import Estimate, estimate
 from training.study.grid import Arch, Scale
 
 EPS = 1e-5
-# Repetitions of a whole timing measurement; the per-run medians are the judged sample. Six: with fewer, the exact
-# sign-flip test (smallest two-sided p 2/2ⁿ) could never reject at α = 0.05, and the verdict would rest on a
-# t-test with a handful of degrees of freedom alone.
-TIMING_RUNS = 6
 # Autograd nodes of the norm backward passes: the fused C++ RMSNorm on CPU (its C++ autograd function,
 # model/kernels/cpu_rms.cpp), the Triton kernels' (model.kernels.ops._Eager) and ATen's native LayerNorm.
 NORM_BACKWARD_NODES = ("RMSNormFunction", "_EagerBackward", "NativeLayerNormBackward", "RmsNormBackward")
@@ -104,7 +100,7 @@ def between_run_estimate(runs: Sequence[Sequence[float]]) -> Estimate:
     return estimate([math.log(m) for m in run_medians(runs)])
 
 
-def op_ratios(shape: tuple[int, ...], rounds: int, repeats: int = 5, runs: int = TIMING_RUNS,
+def op_ratios(shape: tuple[int, ...], rounds: int, runs: int, repeats: int = 5,
               seed: int = 0) -> dict[str, list[float]]:
     """Per pair, the median forward+backward time ratio RMSNorm / LayerNorm of each of `runs` timing runs (fp32,
     input of `shape`; each run a warm-up round and `rounds` rounds in `round_orders`)."""
@@ -189,8 +185,8 @@ class _NormProfile:
             h.remove()
 
 
-def norm_time_ratios(arch: Arch, scale: Scale, vocab_size: int, tokens: torch.Tensor, rounds: int,
-                     runs: int = TIMING_RUNS, seed: int = 0) -> tuple[list[float], dict[str, list[float]]]:
+def norm_time_ratios(arch: Arch, scale: Scale, vocab_size: int, tokens: torch.Tensor, rounds: int, runs: int,
+                     seed: int = 0) -> tuple[list[float], dict[str, list[float]]]:
     """Claim 21's in-step measurement, timed like the others: per timing run (`runs` of them, each with freshly
     built RMSNorm and LayerNorm models of `arch`, a warm-up round and `rounds` rounds in `round_orders`, one
     profiled training step of each model per round), the median over its rounds of the norms' time per step,
@@ -218,7 +214,7 @@ def norm_time_ratios(arch: Arch, scale: Scale, vocab_size: int, tokens: torch.Te
 
 
 def step_time_ratios(arch_a: Arch, arch_b: Arch, scale: Scale, vocab_size: int, tokens: torch.Tensor, rounds: int,
-                     steps: int = 2, runs: int = TIMING_RUNS, seed: int = 0) -> list[float]:
+                     runs: int, steps: int = 2, seed: int = 0) -> list[float]:
     """Per timing run (`runs` of them, each with freshly built models, a warm-up round and `rounds` rounds in
     `round_orders`), the median over its rounds of the time of `steps` training steps of `arch_a` over the same
     for `arch_b` (same seed, same batch)."""

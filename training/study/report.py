@@ -251,9 +251,11 @@ def claim_section(claim: Claim, verdict: str, outcomes: list[Outcome], ctx: Cont
         lines += ["", "Toy, RMS seen by layer (no norm / with norm): "
                   + "; ".join(f"layer {l}: {a:.1f} / {b:.1f}" for l, (a, b) in sorted(toy.items()))]
     if claim.number == 21 and "op_shape" in ctx.extra:
-        lines += ["", "Timing: fp32, forward+backward, one thread, candidates alternating within each round; one "
-                  "ratio per round. Rounds are serially correlated (machine load drifts), so the t-interval is "
-                  "optimistic; the median and IQR per row: " + "; ".join(
+        lines += ["", "Timing: fp32, forward+backward, one thread. Each row is a number of timing runs (fresh models "
+                  "or inputs, a warm-up round, then rounds whose candidate order is a seeded shuffle balanced within "
+                  "the run); a run's value is the median of its rounds' ratios, and the interval is taken over the "
+                  "runs, so it carries the run-to-run variation that one run's rounds miss. The median and IQR of "
+                  "the runs' values per row: " + "; ".join(
                       f"{k} {statistics.median(v):.3f} (IQR {_iqr(v)})" for k, v in ctx.extra["timing"].items()
                       if v and all(math.isfinite(x) for x in v)) + "."]
     best = _best_lrs(ctx)

@@ -105,9 +105,11 @@ def test_a_primaries_only_confirmatory_run_writes_its_report(tmp_path):
                          seed_start=1000, primaries_only=True)
     assert [c.number for c, _ in verdicts] == [5, 13]
     report = (tmp_path / "out" / "report.md").read_text()
-    assert "--seed_start 1000 --primaries_only" in report and "5b" not in report  # 5b is a secondary
+    # 5b is a secondary: no row of it (a bare "5b" can occur in the commit's hex digest in the header)
+    assert "--seed_start 1000 --primaries_only" in report and "| 5b:" not in report
     rows = list(csv_module.DictReader((tmp_path / "out" / "measurements.csv").open()))
     assert {int(r["seed"]) for r in rows} == set(range(1000, 1000 + SCALES["quick"].init_seeds))
+    assert {r["test"] for r in rows} == {"5a", "13a", "13b"}
     assert {r["specified"] for r in rows} == {"before"}  # 13b was specified after seeds 0-9, not these
     run = read_run(tmp_path / "out")
     assert run[13]["seeds"].start == 1000

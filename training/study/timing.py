@@ -161,9 +161,7 @@ class _NormProfile:
         self.handles = [h for m in norms for h in (m.register_forward_pre_hook(enter), m.register_forward_hook(leave))]
 
     def train_step(self) -> None:
-        self.model(self.tokens[:, :-1], targets=self.tokens[:, 1:]).backward()
-        self.opt.step()
-        self.opt.zero_grad(set_to_none=True)
+        _train_step(self.model, self.opt, self.tokens)
 
     def step(self) -> tuple[float, float]:
         """One profiled training step: the norms' share of its CPU time and their time in seconds (forward norm
@@ -232,11 +230,16 @@ def step_time_ratios(arch_a: Arch, arch_b: Arch, scale: Scale, vocab_size: int, 
     return medians
 
 
+def _train_step(model: Transformer, opt: torch.optim.Optimizer, tokens: torch.Tensor) -> None:
+    """One timed training step on `tokens` [B, T+1]: loss, backward, optimizer step (no clipping, no schedule)."""
+    model(tokens[:, :-1], targets=tokens[:, 1:]).backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
 def _train_time(model: Transformer, opt: torch.optim.Optimizer, tokens: torch.Tensor, steps: int) -> float:
     """Seconds for `steps` training steps of `model` on `tokens`."""
     t = time.perf_counter()
     for _ in range(steps):
-        model(tokens[:, :-1], targets=tokens[:, 1:]).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        _train_step(model, opt, tokens)
     return time.perf_counter() - t
